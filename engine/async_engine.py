@@ -1,0 +1,207 @@
+"""asyncio facade over the engine thread.
+
+One dedicated thread owns the LLMEngine (scheduler, blocks, KV tensors, model). The
+event loop talks to it only through a thread-safe inbox of commands (Add / Abort /
+Stop), and the thread publishes each step's outputs with a single
+`loop.call_soon_threadsafe` — never one callback per token. Detokenization happens on
+the loop side, per stream, off the engine's critical path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.outputs import RequestOutput, StepOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("tidewire.engine")
+
+
+@dataclass
+class _Add:
+    request: Request
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class RequestStream:
+    """Async iterator of RequestOutput for one request; ends after the finished one."""
+
+    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+        self.request_id = request.request_id
+        self.output = RequestOutput(request.request_id, list(request.prompt_token_ids))
+        self._detok = detok
+        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.finished = False
+
+    def _push(self, out: StepOutput) -> None:
+        self._queue.put_nowait(out)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        step = await self._queue.get()
+        # Merge whatever else already arrived, so a slow consumer sees fewer, larger deltas.
+        new = list(step.new_token_ids)
+        while not step.finished and not self._queue.empty():
+            step = self._queue.get_nowait()
+            new.extend(step.new_token_ids)
+        return self._apply(step, new)
+
+    def _apply(self, step: StepOutput, new: list[int]) -> RequestOutput:
+        o = self.output
+        o.token_ids = o.token_ids + new
+        o.new_token_ids = new
+        o.delta_text = self._detok.push(new, final=step.finished)
+        o.text += o.delta_text
+        o.num_cached_tokens = step.num_cached_tokens
+        if step.finished:
+            self.finished = True
+            o.finished, o.finish_reason, o.error = True, step.finish_reason, step.error
+        return RequestOutput(**vars(o))
+
+
+class AsyncEngine:
+    """Owns the engine thread. Create it inside a running event loop, then `start()`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.engine = LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.dead: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tidewire-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort everything still running and join the engine thread."""
+        if self._thread is None:
+            return
+        self._inbox.put(_Stop())
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- requests (event loop side) ------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None, salt: bytes = b"") -> RequestStream:
+        """Validate and enqueue; raises ValueError for a bad prompt or parameters."""
+        if not self.running:
+            raise RuntimeError("engine is not running")
+        req = self.engine.make_request(prompt, params, request_id, salt)
+        if req.request_id in self._streams:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        stream = RequestStream(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids))
+        self._streams[req.request_id] = stream
+        self._inbox.put(_Add(req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed before the engine's next step."""
+        if request_id in self._streams:
+            self._inbox.put(_Abort(request_id))
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None,
+                       salt: bytes = b"") -> AsyncIterator[RequestOutput]:
+        """Stream outputs; leaving the loop early (break, cancel) aborts the request."""
+        stream = self.add_request(prompt, params, request_id, salt)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def _dispatch(self, outs: list[StepOutput]) -> None:
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream._push(out)
+
+    # -- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                outs: list[StepOutput] = []
+                if not self._drain(block=not eng.has_unfinished(), outs=outs):
+                    break
+                if eng.has_unfinished():
+                    outs.extend(eng.step())
+                if outs:
+                    self._publish(outs)
+        except BaseException as e:  # the engine is broken: fail every request, loudly
+            log.exception("engine thread died")
+            self.dead = e
+            self._fail_all(repr(e))
+            return
+        ids = list(eng.scheduler.requests)
+        self._publish(eng.abort(ids))
+
+    def _drain(self, block: bool, outs: list[StepOutput]) -> bool:
+        """Apply queued commands; False once Stop arrives."""
+        cmds = [self._inbox.get()] if block else []
+        while True:
+            try:
+                cmds.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in cmds:
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                self.engine.add(cmd.request)
+            else:
+                outs.extend(self.engine.abort([cmd.request_id]))
+        return True
+
+    def _publish(self, outs: list[StepOutput]) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, outs)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    def _fail_all(self, message: str) -> None:
+        """Finish every known stream with an error, including ones still in the inbox."""
+        outs = self.engine.abort(list(self.engine.scheduler.requests), RequestStatus.FINISHED_ERROR)
+        known = {o.request_id for o in outs}
+        outs += [StepOutput(rid, [], True, "error") for rid in list(self._streams) if rid not in known]
+        for o in outs:
+            o.error = message
+        self._publish(outs)

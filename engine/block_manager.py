@@ -1,0 +1,281 @@
+"""Paged KV block manager: a fixed pool of physical blocks, an O(1) LRU free queue,
+reference counts, per-request block tables and a prefix cache keyed by chained hashes.
+
+Torch-free. A block is one of three kinds at any time:
+  in use   ref_cnt > 0, in one or more block tables, not in the free queue;
+  cached   ref_cnt == 0, in the free queue, still holds a hash (reusable until evicted);
+  free     ref_cnt == 0, in the free queue, no hash.
+Only full blocks carry a hash. Evicting a cached block (when the pool hands it out
+again) calls `on_evict(block_id, block_hash)` first: the hook for a host tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.request import Request
+
+HASH_VERSION = b"tidewire.block.v1"
+
+
+def _field(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def root_hash(salt: bytes) -> bytes:
+    """The chain's seed: a tenant's salt, so tenants never share cache entries."""
+    return hashlib.sha256(_field(HASH_VERSION) + _field(salt)).digest()
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes = b"") -> bytes:
+    """h_i = sha256(h_{i-1} | extra | token_ids_i), every field length-prefixed and token
+    ids as 4-byte little-endian, so distinct inputs can never encode alike."""
+    tokens = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.sha256(_field(parent) + _field(extra) + _field(tokens)).digest()
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev: KVBlock | None = None  # free-queue links; both None when not queued
+    next: KVBlock | None = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of blocks with ref_cnt 0, least recently freed at the head.
+
+    O(1) popleft, append and remove (a cache hit takes a block out of the middle)."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None
+        last.next, block.prev = block, last
+        block.next, self._tail.prev = self._tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVBlock) -> None:
+        assert block.prev is not None and block.next is not None, "block is not queued"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def popleft(self) -> KVBlock:
+        first = self._head.next
+        if first is self._tail or first is None:
+            raise ValueError("no free blocks")
+        self.remove(first)
+        return first
+
+    def __iter__(self):  # noqa: ANN204 - iterator of KVBlock
+        b = self._head.next
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next
+
+
+class BlockPool:
+    """Physical blocks, their ref counts and the hash -> block prefix-cache index."""
+
+    def __init__(self, num_blocks: int, on_evict: Callable[[int, bytes], None] | None = None):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, KVBlock] = {}
+        self.on_evict = on_evict
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return self.free_queue.num_free
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take n blocks from the LRU head, evicting their cached hashes."""
+        if n > self.num_free:
+            raise ValueError(f"asked for {n} blocks, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def _evict(self, block: KVBlock) -> None:
+        h = block.block_hash
+        assert h is not None
+        if self.cached.get(h) is block:
+            del self.cached[h]
+        block.block_hash = None
+        self.num_evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, h)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on cache hits (pulling free ones out of the queue)."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free(self, blocks: Sequence[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching 0 join the queue tail in the given
+        order (so callers pass tail blocks first: they are the least shareable)."""
+        for b in blocks:
+            b.ref_cnt -= 1
+            assert b.ref_cnt >= 0, f"block {b.block_id} freed twice"
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Publish a full block under its hash. A hash already cached keeps its first
+        block (this one stays a private duplicate)."""
+        if block.block_hash is not None:
+            return
+        if block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+
+class KVCacheManager:
+    """Per-request block tables over a BlockPool, with prefix caching."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        on_evict: Callable[[int, bytes], None] | None = None,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, on_evict)
+        self.tables: dict[str, list[KVBlock]] = {}
+        self.num_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_hits = 0  # of those, tokens found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(request_id, ())]
+
+    def update_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes over every full block of its known tokens."""
+        bs = self.block_size
+        toks = None
+        while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
+            if toks is None:
+                toks = req.all_token_ids
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if i else root_hash(req.salt)
+            req.block_hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks from the start of the request.
+
+        At least one token is always left to compute (the step needs its logits), so
+        a fully cached request reuses all but its last block."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        self.update_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_queries += req.num_tokens
+        self.num_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        req: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] = (),
+        reserve_blocks: int = 0,
+    ) -> bool:
+        """Make room for `num_new_tokens` tokens after req.num_computed_tokens (plus
+        `computed_blocks`, a fresh prefix-cache hit), leaving `reserve_blocks` free.
+        False, changing nothing, if the pool is short."""
+        table = self.tables.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new = need - len(table) - len(computed_blocks)
+        # Cached hits sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new + num_evictable_hits + reserve_blocks > self.pool.num_free:
+            return False
+        self.pool.touch(computed_blocks)
+        table = self.tables.setdefault(req.request_id, table)
+        table.extend(computed_blocks)
+        if num_new > 0:
+            table.extend(self.pool.allocate(num_new))
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Publish every block whose tokens are all computed (after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.tables.get(req.request_id)
+        if not table:
+            return
+        self.update_hashes(req)
+        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
+        for i in range(num_full):
+            self.pool.cache(table[i], req.block_hashes[i])
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks; tail first so the prefix stays cached longest."""
+        table = self.tables.pop(req.request_id, None)
+        if table:
+            self.pool.free(list(reversed(table)))
+
+    def check_integrity(self) -> None:
+        """free + cached + in-use == total, and ref counts match the block tables."""
+        pool = self.pool
+        queued = list(pool.free_queue)
+        assert len(queued) == pool.num_free, "free queue count drifted"
+        assert len({b.block_id for b in queued}) == len(queued), "block queued twice"
+        assert all(b.ref_cnt == 0 for b in queued), "in-use block in the free queue"
+        refs: dict[int, int] = {}
+        for table in self.tables.values():
+            for b in table:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        in_use = [b for b in pool.blocks if b.ref_cnt > 0]
+        assert len(queued) + len(in_use) == pool.num_blocks, "blocks lost or duplicated"
+        for b in pool.blocks:
+            assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id} ref count"
+        for h, b in pool.cached.items():
+            assert b.block_hash == h, "cache index points at a block with another hash"

@@ -1,0 +1,101 @@
+"""Offline batch API: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import DEFAULT_MODEL
+from engine.outputs import RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Run batches of prompts through the engine in this thread."""
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        dtype: str = "bfloat16",
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 64,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "cpu",
+        kv_cache_memory: int = 1 << 30,
+        max_model_len: int | None = None,
+        seed: int = 0,
+        debug: bool = False,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model, dtype=dtype, attention_backend=attention_backend,
+            cache=CacheConfig(block_size, num_kv_blocks or 0, enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, seed=seed,
+            debug=debug)
+        self.engine = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = self._params_list(params, len(prompts))
+        reqs = [self.engine.make_request(p, sp, self._next_id()) for p, sp in zip(prompts, plist)]
+        return self._run(reqs, use_tqdm)
+
+    def chat(self, conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the chat template to each conversation (a list of {role, content}), then
+        generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        ids = [self.engine.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(ids, params, use_tqdm)
+
+    @staticmethod
+    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                     n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        return list(params)
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"offline-{self._counter}"
+
+    def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        results = {r.request_id: RequestOutput(r.request_id, r.prompt_token_ids) for r in reqs}
+        for r in reqs:
+            self.engine.add(r)
+        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                res = results[out.request_id]
+                res.token_ids.extend(out.new_token_ids)
+                if out.finished:
+                    res.finished, res.finish_reason = True, out.finish_reason
+                    res.num_cached_tokens = out.num_cached_tokens
+                    bar.update(1)
+        bar.close()
+        for res in results.values():
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, res.prompt_token_ids)
+                res.text = detok.push(res.token_ids, final=True)
+        return [results[r.request_id] for r in reqs]

@@ -1,0 +1,153 @@
+"""The synchronous engine core: tokenizer + scheduler + block manager + runner.
+
+Exactly one thread may call into an LLMEngine (the engine thread of AsyncEngine, or
+the caller of the offline LLM API)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.block_manager import KVCacheManager
+from engine.config import CacheConfig, SchedulerConfig
+from engine.loader import DEFAULT_MODEL, load_tokenizer, load_weights, resolve_model
+from engine.model import ModelArch
+from engine.outputs import StepOutput
+from engine.request import Request, RequestStatus
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger("tidewire.engine")
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "bfloat16"
+    attention_backend: str = "cpu"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool when cache.num_blocks == 0
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    seed: int = 0
+    debug: bool = False  # check block-manager integrity after every step
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus max_tokens) does not fit the context window."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.monotonic()
+        self.model_dir: Path = resolve_model(config.model)
+        self.arch = ModelArch.from_dir(self.model_dir)
+        self.tokenizer: Any = load_tokenizer(self.model_dir)
+        self.dtype = DTYPES[config.dtype]
+        self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
+        self.eos_token_ids = self._eos_ids()
+        cc = config.cache
+        self.num_blocks = cc.num_blocks or max(
+            1, config.kv_cache_memory // self.arch.kv_bytes_per_block(cc.block_size, self.dtype))
+        self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.runner = ModelRunner(self.arch, load_weights(self.model_dir), self.dtype,
+                                  config.attention_backend, cc.block_size, self.num_blocks,
+                                  config.seed)
+        self.num_steps = 0
+        log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
+                 config.dtype, time.monotonic() - t0, self.num_blocks, cc.block_size)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set(self.arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # -- requests ----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send prompt_token_ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {self.arch.vocab_size})")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        return list(out["input_ids"] if isinstance(out, dict) else out)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams,
+                     request_id: str | None = None, salt: bytes = b"") -> Request:
+        """Tokenize and validate (safe to call from any thread)."""
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context window of {self.max_model_len} tokens")
+        bs = self.config.cache.block_size
+        if -(-(len(ids) + params.max_tokens) // bs) > self.num_blocks:
+            raise PromptTooLongError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV "
+                f"blocks than the pool has ({self.num_blocks} x {bs} tokens)")
+        return Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids, salt)
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def abort(self, request_ids: list[str],
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[StepOutput]:
+        """Finish requests now (their blocks return to the pool before the next step)."""
+        done = self.scheduler.finish_requests(request_ids, status)
+        for r in done:
+            self.runner.release(r.request_id)
+        return [self._output(r, []) for r in done]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        sampled = self.runner.execute(sched)
+        touched = self.scheduler.update(sched, sampled)
+        self.num_steps += 1
+        if self.config.debug:
+            self.kv.check_integrity()
+        outs = []
+        for r in touched:
+            if r.status.finished:
+                self.runner.release(r.request_id)
+            outs.append(self._output(r, r.output_token_ids[-1:]))
+        return outs
+
+    @staticmethod
+    def _output(r: Request, new: list[int]) -> StepOutput:
+        return StepOutput(r.request_id, new, r.status.finished, r.finish_reason,
+                          r.num_prompt_tokens, max(r.num_cached_tokens, 0))

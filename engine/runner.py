@@ -1,0 +1,117 @@
+"""Model runner: flattens a scheduled step into one ragged batch, runs the model once,
+samples the rows that reached the end of their known tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSeq, get_backend
+from engine.model import LlamaModel, ModelArch
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # [num_samples] int64: rows whose logits are sampled
+    sample_ids: list[str]  # request id of each sampled row
+    sampling: SamplingBatch
+
+
+class ModelRunner:
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 backend: str, block_size: int, num_blocks: int, seed: int = 0) -> None:
+        attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size)
+        self.block_size = block_size
+        self.model = LlamaModel(arch, weights, dtype, attn)
+        shape = attn.cache_shape(num_blocks)
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                          for _ in range(arch.num_layers)]
+        self.sampler = Sampler(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """Run one step; returns request id -> sampled token for the rows that sample."""
+        inputs = self.prepare(out)
+        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
+                                    inputs.meta, inputs.logits_rows)
+        if not inputs.sample_ids:
+            return {}
+        tokens = self.sampler(logits, inputs.sampling).tolist()
+        return dict(zip(inputs.sample_ids, tokens))
+
+    def release(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Decodes (one new token) first, then prefill chunks; see AttentionMetadata."""
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []
+        samplers: list[ScheduledRequest] = []
+        for s in decodes + prefills:
+            self._append_tokens(s, ids, pos, slots)
+            if s.samples:
+                rows.append(len(ids) - 1)
+                samplers.append(s)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            meta=self._metadata(decodes, prefills, slots),
+            logits_rows=torch.tensor(rows, dtype=torch.int64),
+            sample_ids=[s.request.request_id for s in samplers],
+            sampling=self._sampling_batch(samplers),
+        )
+
+    def _append_tokens(self, s: ScheduledRequest, ids: list[int], pos: list[int],
+                       slots: list[int]) -> None:
+        req, bs = s.request, self.block_size
+        start = req.num_computed_tokens
+        for p in range(start, start + s.num_new_tokens):
+            ids.append(req.token_at(p))
+            pos.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+
+    def _metadata(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
+                  slots: list[int]) -> AttentionMetadata:
+        bs = self.block_size
+        seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
+        max_blocks = max((-(-n // bs) for n in seq_lens), default=0)
+        tables = [s.block_ids[: max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks]))
+                  for s in decodes]
+        attn = self.model.attn
+        seqs, q_start = [], len(decodes)
+        for s in prefills:
+            ctx = s.request.num_computed_tokens + s.num_new_tokens
+            blocks = torch.tensor(s.block_ids[: -(-ctx // bs)], dtype=torch.int64)
+            seqs.append(PrefillSeq(q_start, s.num_new_tokens, ctx, blocks))
+            q_start += s.num_new_tokens
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            num_decodes=len(decodes),
+            decode_block_tables=torch.tensor(tables, dtype=torch.int64).view(len(decodes), max_blocks),
+            decode_mask=attn.build_decode_mask(seq_lens, max_blocks),
+            prefills=seqs,
+        )
+
+    def _sampling_batch(self, samplers: list[ScheduledRequest]) -> SamplingBatch:
+        params = [s.request.params for s in samplers]
+        gens = [self._generator(s) for s in samplers]
+        return SamplingBatch(params, gens)
+
+    def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
+        seed = s.request.params.seed
+        if seed is None or s.request.params.greedy:
+            return None
+        rid = s.request.request_id
+        if rid not in self._generators:
+            self._generators[rid] = torch.Generator().manual_seed(seed)
+        return self._generators[rid]

@@ -1,0 +1,161 @@
+"""Iteration-level scheduler with a token budget and chunked prefill (torch-free).
+
+Each step every scheduled request gets some new tokens so that its
+`num_computed_tokens` catches up with its `num_tokens`: a decode is one token, an
+unfinished prefill a chunk of whatever budget is left. Running requests go first; when
+one cannot get a block, the newest running request is preempted (blocks freed, requeued
+at the front of the waiting queue, recomputed later). Waiting requests are admitted in
+arrival order, reusing their longest cached prefix.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.block_manager import KVCacheManager
+from engine.config import SchedulerConfig
+from engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens to run this step, starting at num_computed_tokens
+    block_ids: list[int]  # the request's whole block table after allocation
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so it needs logits."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._watermark = int(config.watermark * kv.pool.num_blocks)
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+                budget -= n
+                i += 1
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        out.scheduled = [s for s in out.scheduled if s.request is not req]
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_cached = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_cached, budget)
+            # The watermark keeps room for running requests to grow; with none running
+            # it would only stop a request that fits from ever starting.
+            reserve = self._watermark if self.running else 0
+            if not self.kv.allocate_slots(req, n, hits, reserve):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.num_computed_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+            budget -= n
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish and free requests.
+
+        `sampled` maps request id -> token for the requests that sampled this step.
+        Returns the requests that produced a token or finished this step."""
+        touched: list[Request] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_output(token)
+            touched.append(req)
+            status = req.check_stop()
+            if status is not None:
+                self._finish(req, status)
+        return touched
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Abort (or fail) requests wherever they are; their blocks are freed now."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status, remove_running=False)
+            done.append(req)
+        return done
+
+    def _finish(self, req: Request, status: RequestStatus, remove_running: bool = True) -> None:
+        req.status = status
+        if remove_running:
+            self.running.remove(req)
+        self.kv.free(req)
+        del self.requests[req.request_id]

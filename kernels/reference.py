@@ -1,0 +1,67 @@
+"""Torch references for the model's fused elementwise kernels.
+
+These are the CPU path's implementations and the oracle the Triton kernels are tested
+against. The arithmetic follows HF transformers' Llama exactly (fp32 statistics in
+RMSNorm, cos/sin built in fp32 then cast to the activation dtype), so fp32 runs match
+it bit for bit where the op order allows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of (x + residual). Returns (normed, new_residual).
+
+    x, residual: [num_tokens, hidden] in the activation dtype; weight: [hidden]."""
+    if residual is not None:
+        x = x + residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype), x
+
+
+def rope_cos_sin(
+    head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, fp32, [max_positions, head_dim // 2] (neox layout: the
+    first half of a head rotates with the second)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    pos = torch.arange(max_positions, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones
+    kept, the band between interpolated smoothly."""
+    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * torch.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
+    return torch.where(medium, blended, scaled)
+
+
+def rope(
+    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] by its tokens' positions [num_tokens]."""
+    half = x.shape[-1] // 2
+    c = cos[positions].to(x.dtype)[:, None, :]
+    s = sin[positions].to(x.dtype)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] = [gate | up] -> silu(gate) * up, [num_tokens, d]."""
+    d = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
