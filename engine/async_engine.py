@@ -192,6 +192,8 @@ class AsyncEngine:
 
     def _publish(self, outs: list[StepOutput]) -> None:
         assert self._loop is not None
+        if not outs:
+            return
         try:
             self._loop.call_soon_threadsafe(self._dispatch, outs)
         except RuntimeError:  # loop closed during shutdown

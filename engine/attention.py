@@ -1,9 +1,10 @@
 """Attention backends over the paged KV cache.
 
 A backend owns its cache layout and computes attention for one flattened step: the
-rows of all decodes first (one query token each), then the prefill chunks (several
-query tokens each, possibly after cached context). The runner builds an
-`AttentionMetadata` once per step and every layer reuses it.
+rows of all decodes first (one query token each, sorted by context length, longest
+first), then the prefill chunks (several query tokens each, possibly after cached
+context). The runner describes the step once in a backend-neutral `StepLayout`; the
+backend turns it into its own metadata, which every layer reuses.
 """
 
 from __future__ import annotations
@@ -16,29 +17,25 @@ import torch.nn.functional as F
 
 
 @dataclass
-class PrefillSeq:
+class PrefillSpec:
     q_start: int  # first row of this sequence's queries in the flat batch
     q_len: int  # query tokens this step
     ctx_len: int  # tokens of context after this step (cached + new)
-    block_ids: torch.Tensor  # [ceil(ctx_len / block_size)] int64
+    block_ids: list[int]  # blocks covering the ctx_len tokens
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step attention inputs, built on the host by the runner.
+class StepLayout:
+    """Backend-neutral description of a step, built on the host by the runner."""
 
-    slot_mapping[i] = block_id * block_size + offset for row i (where its K/V go);
-    decodes occupy rows [0, num_decodes)."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    num_decodes: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] int64, padded with 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, max_blocks * block_size] additive bias
-    prefills: list[PrefillSeq]
+    slot_mapping: list[int]  # row i's K/V go to block_id * block_size + offset
+    decode_seq_lens: list[int]  # rows [0, num_decodes), non-increasing
+    decode_block_ids: list[list[int]]
+    prefills: list[PrefillSpec]
 
 
 class AttentionBackend(ABC):
-    """Interface: a cache layout, a cache write and paged attention."""
+    """Interface: a cache layout, metadata, a cache write and paged attention."""
 
     name = "abstract"
 
@@ -53,86 +50,159 @@ class AttentionBackend(ABC):
         """Shape of one layer's K (and V) cache tensor for `num_blocks` blocks."""
 
     @abstractmethod
-    def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Store this step's k, v [num_tokens, kv_heads, head_dim] at meta.slot_mapping."""
+    def build_metadata(self, layout: StepLayout) -> object:
+        """Tensors this backend needs for the step, built once and shared by all layers."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Paged attention of q [num_tokens, heads, head_dim] over each row's context
-        (causal); returns [num_tokens, heads, head_dim]."""
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: object) -> None:
+        """Store this step's k, v [num_tokens, kv_heads, head_dim] at their slots."""
 
-    def build_decode_mask(self, seq_lens: list[int], max_blocks: int) -> torch.Tensor:
-        """Additive bias hiding the padding past each decode's context."""
-        width = max_blocks * self.block_size
-        lens = torch.tensor(seq_lens, dtype=torch.int64)
-        keep = torch.arange(width)[None, :] < lens[:, None]
-        bias = torch.zeros(len(seq_lens), 1, width, dtype=torch.float32)
-        return bias.masked_fill_(~keep[:, None, :], float("-inf"))
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: object) -> torch.Tensor:
+        """Causal paged attention of q [num_tokens, heads, head_dim] over each row's
+        context (k, v: this step's rows, already written to the cache); returns
+        [num_tokens, heads, head_dim]."""
+
+
+def bucket_decodes(num_blocks: list[int], min_rows: int = 8, ratio: float = 0.5,
+                   max_buckets: int = 4) -> list[tuple[int, int]]:
+    """Split decode rows (sorted by block count, non-increasing) into row ranges padded
+    separately: a new range starts once a row needs at most `ratio` of the current
+    range's longest, so short contexts stop paying for the longest one."""
+    ranges, start = [], 0
+    for i, nb in enumerate(num_blocks):
+        if (i - start >= min_rows and nb <= ratio * num_blocks[start]
+                and len(ranges) < max_buckets - 1):
+            ranges.append((start, i))
+            start = i
+    if num_blocks:
+        ranges.append((start, len(num_blocks)))
+    return ranges
+
+
+@dataclass
+class DecodeBucket:
+    start: int
+    end: int
+    block_table: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
+    mask: torch.Tensor | None  # [rows, 1, 1, max_blocks * block_size] bool; None: no padding
+
+
+@dataclass
+class CpuPrefill:
+    q_start: int
+    q_len: int
+    ctx_len: int
+    block_ids: torch.Tensor | None  # None: no cached context, attend to this step's k/v
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool when there is cached context
+
+
+@dataclass
+class CpuMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    decodes: list[DecodeBucket]
+    prefills: list[CpuPrefill]
 
 
 class CpuAttention(AttentionBackend):
     """Torch attention tuned for CPUs.
 
     Cache layout (per layer, K and V alike): [num_kv_heads, num_blocks, block_size,
-    head_dim]. Head-major, so gathering a batch's blocks yields [kv_heads, batch,
-    tokens, head_dim] with no transpose, and decode attention is two batched GEMMs
-    per KV group (all query heads of a group against that group's keys at once).
+    head_dim]. Head-major, so an index_select of whole blocks yields [kv_heads, batch,
+    tokens, head_dim] with no transpose, and each decode bucket is one SDPA call with
+    GQA (all query heads of a group against that group's keys at once).
     """
 
     name = "cpu"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        # Gather buffers reused by every layer and step: a fresh multi-MB tensor per
+        # gather costs page faults that take longer than the copy itself.
+        self._bufs: dict[str, torch.Tensor] = {}
+
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
+    def build_metadata(self, layout: StepLayout) -> CpuMetadata:
+        bs = self.block_size
+        nblocks = [-(-n // bs) for n in layout.decode_seq_lens]
+        buckets = []
+        for start, end in bucket_decodes(nblocks):
+            width = nblocks[start]
+            table = [ids[:width] + [0] * (width - len(ids[:width]))
+                     for ids in layout.decode_block_ids[start:end]]
+            lens = torch.tensor(layout.decode_seq_lens[start:end])
+            mask = None
+            if int(lens.min()) < width * bs:
+                mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+            buckets.append(DecodeBucket(start, end, torch.tensor(table, dtype=torch.int64), mask))
+        prefills = [self._prefill_meta(p) for p in layout.prefills]
+        return CpuMetadata(torch.tensor(layout.slot_mapping, dtype=torch.int64), buckets, prefills)
+
+    def _prefill_meta(self, p: PrefillSpec) -> CpuPrefill:
+        if p.ctx_len == p.q_len:
+            return CpuPrefill(p.q_start, p.q_len, p.ctx_len, None, None)
+        rows = torch.arange(p.q_len)[:, None] + (p.ctx_len - p.q_len)  # query positions
+        mask = torch.arange(p.ctx_len)[None, :] <= rows
+        ids = torch.tensor(p.block_ids, dtype=torch.int64)
+        return CpuPrefill(p.q_start, p.q_len, p.ctx_len, ids, mask)
+
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                    v_cache: torch.Tensor, meta: CpuMetadata) -> None:
         # k, v: [num_tokens, kv_heads, head_dim] -> slots of the flat [kv_heads, slots, D]
         slots = meta.slot_mapping
         kv_heads, d = self.num_kv_heads, self.head_dim
         k_cache.view(kv_heads, -1, d)[:, slots] = k.transpose(0, 1)
         v_cache.view(kv_heads, -1, d)[:, slots] = v.transpose(0, 1)
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: CpuMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], k_cache, v_cache, meta)
+        for b in meta.decodes:
+            out[b.start : b.end] = self._decode(q[b.start : b.end], k_cache, v_cache, b)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, p)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
         return out
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        b, kvh, g, d = q.shape[0], self.num_kv_heads, self.group, self.head_dim
-        tables = meta.decode_block_tables
-        k = k_cache[:, tables].view(kvh, b, -1, d)  # [kvh, b, L, d]
-        v = v_cache[:, tables].view(kvh, b, -1, d)
-        qg = q.view(b, kvh, g, d).transpose(0, 1)  # [kvh, b, g, d]
-        scores = torch.matmul(qg, k.transpose(-1, -2)).float() * self.scale  # [kvh, b, g, L]
-        probs = torch.softmax(scores + meta.decode_mask, dim=-1).to(q.dtype)
-        o = torch.matmul(probs, v)  # [kvh, b, g, d]
-        return o.transpose(0, 1).reshape(b, self.num_heads, d)
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, buf: str) -> torch.Tensor:
+        """[kvh, num_blocks, bs, d] -> [kvh, numel(block_ids), bs * d], into a reused
+        buffer (valid until the next gather into the same buffer)."""
+        kvh, nb, bs, d = cache.shape
+        numel = kvh * block_ids.numel() * bs * d
+        store = self._bufs.get(buf)
+        if store is None or store.numel() < numel or store.dtype != cache.dtype:
+            store = self._bufs[buf] = torch.empty(max(numel, 1 << 20), dtype=cache.dtype)
+        out = store[:numel].view(kvh, block_ids.numel(), bs * d)
+        return torch.index_select(cache.view(kvh, nb, bs * d), 1, block_ids.view(-1), out=out)
 
-    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 p: PrefillSeq) -> torch.Tensor:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=self.scale, enable_gqa=self.group > 1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                b: DecodeBucket) -> torch.Tensor:
+        n, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
+        # [kvh, n, L, d] viewed as [n, kvh, L, d] (strided; SDPA takes it as is)
+        k = self._gather(k_cache, b.block_table, "k").view(kvh, n, -1, d).transpose(0, 1)
+        v = self._gather(v_cache, b.block_table, "v").view(kvh, n, -1, d).transpose(0, 1)
+        o = self._sdpa(q.unsqueeze(2), k, v, b.mask)  # [n, heads, 1, d]
+        return o.squeeze(2)
+
+    def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, p: CpuPrefill) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
-        k = k_cache[:, p.block_ids].view(kvh, -1, d)[:, : p.ctx_len]  # [kvh, ctx, d]
-        v = v_cache[:, p.block_ids].view(kvh, -1, d)[:, : p.ctx_len]
-        qh = q.transpose(0, 1)  # [heads, T, d]
-        if p.ctx_len == p.q_len:
-            mask, causal = None, True
-        else:  # query i sits at position ctx_len - q_len + i
-            start = p.ctx_len - p.q_len
-            rows = torch.arange(p.q_len)[:, None] + start
-            mask, causal = torch.arange(p.ctx_len)[None, :] <= rows, False
-        o = F.scaled_dot_product_attention(
-            qh.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-            is_causal=causal, scale=self.scale, enable_gqa=self.group > 1,
-        )
+        if p.block_ids is None:  # the whole context is this chunk: no cache read needed
+            k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kvh, T, d]
+        else:
+            k = self._gather(k_cache, p.block_ids, "k").view(kvh, -1, d)[:, : p.ctx_len]
+            v = self._gather(v_cache, p.block_ids, "v").view(kvh, -1, d)[:, : p.ctx_len]
+        o = self._sdpa(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                       p.mask, causal=p.block_ids is None)
         return o[0].transpose(0, 1)
 
 

@@ -62,8 +62,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
         self.eos_token_ids = self._eos_ids()
         cc = config.cache
-        self.num_blocks = cc.num_blocks or max(
-            1, config.kv_cache_memory // self.arch.kv_bytes_per_block(cc.block_size, self.dtype))
+        self.num_blocks = cc.num_blocks or self._auto_num_blocks()
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.arch, load_weights(self.model_dir), self.dtype,
@@ -72,6 +71,14 @@ class LLMEngine:
         self.num_steps = 0
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
                  config.dtype, time.monotonic() - t0, self.num_blocks, cc.block_size)
+
+    def _auto_num_blocks(self) -> int:
+        """As many blocks as the memory budget holds, but no more than every sequence
+        slot at full context could use (tiny models would otherwise zero gigabytes)."""
+        bs = self.config.cache.block_size
+        budget = self.config.kv_cache_memory // self.arch.kv_bytes_per_block(bs, self.dtype)
+        most = -(-self.max_model_len // bs) * self.config.scheduler.max_num_seqs
+        return max(1, min(budget, most))
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)

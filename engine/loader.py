@@ -9,6 +9,7 @@ A GGUF is dequantized once through transformers and cached as an HF directory
 from __future__ import annotations
 
 import hashlib
+import json
 import importlib.util
 import os
 import shutil
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -96,13 +97,8 @@ def _convert(gguf: Path, src: GGUFSource, out: Path) -> Path:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32)  # tqdm bar from transformers
-        model.config.quantization_config = None
-        if hasattr(model.config, "_name_or_path"):
-            model.config._name_or_path = src.model_id
-        model.save_pretrained(tmp, safe_serialization=True)
+        _save_dequantized(model, tmp)
         tok.save_pretrained(tmp)
-        cfg_path = tmp / "config.json"
-        _strip_quant_config(cfg_path)
         (tmp / "tidewire_source.txt").write_text(f"{src.model_id}\n{gguf.name}\n")
         if out.exists():  # another process converted it meanwhile
             shutil.rmtree(tmp)
@@ -114,12 +110,17 @@ def _convert(gguf: Path, src: GGUFSource, out: Path) -> Path:
     return out
 
 
-def _strip_quant_config(cfg_path: Path) -> None:
-    import json
-
-    cfg = json.loads(cfg_path.read_text())
+def _save_dequantized(model: torch.nn.Module, out: Path) -> None:
+    """Write fp32 safetensors + a plain config.json (transformers refuses to
+    save_pretrained a model loaded from GGUF, so the files are written here)."""
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # shared storage; the loader re-ties it
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
-    cfg_path.write_text(json.dumps(cfg, indent=2))
+    cfg["architectures"] = [type(model).__name__]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:

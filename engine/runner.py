@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeq, get_backend
+from engine.attention import PrefillSpec, StepLayout, get_backend
 from engine.model import LlamaModel, ModelArch
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -17,7 +17,7 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    meta: AttentionMetadata
+    meta: object  # the attention backend's metadata for this step
     logits_rows: torch.Tensor  # [num_samples] int64: rows whose logits are sampled
     sample_ids: list[str]  # request id of each sampled row
     sampling: SamplingBatch
@@ -49,8 +49,9 @@ class ModelRunner:
         self._generators.pop(request_id, None)
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Decodes (one new token) first, then prefill chunks; see AttentionMetadata."""
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1]
+        """Decodes (one new token, longest context first), then prefill chunks."""
+        decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
+                         key=lambda s: -s.request.num_computed_tokens)
         prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
         ids: list[int] = []
         pos: list[int] = []
@@ -81,26 +82,20 @@ class ModelRunner:
             slots.append(s.block_ids[p // bs] * bs + p % bs)
 
     def _metadata(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
-                  slots: list[int]) -> AttentionMetadata:
-        bs = self.block_size
-        seq_lens = [s.request.num_computed_tokens + 1 for s in decodes]
-        max_blocks = max((-(-n // bs) for n in seq_lens), default=0)
-        tables = [s.block_ids[: max_blocks] + [0] * (max_blocks - len(s.block_ids[:max_blocks]))
-                  for s in decodes]
-        attn = self.model.attn
-        seqs, q_start = [], len(decodes)
+                  slots: list[int]) -> object:
+        specs, q_start = [], len(decodes)
         for s in prefills:
             ctx = s.request.num_computed_tokens + s.num_new_tokens
-            blocks = torch.tensor(s.block_ids[: -(-ctx // bs)], dtype=torch.int64)
-            seqs.append(PrefillSeq(q_start, s.num_new_tokens, ctx, blocks))
+            specs.append(PrefillSpec(q_start, s.num_new_tokens, ctx,
+                                     s.block_ids[: -(-ctx // self.block_size)]))
             q_start += s.num_new_tokens
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            num_decodes=len(decodes),
-            decode_block_tables=torch.tensor(tables, dtype=torch.int64).view(len(decodes), max_blocks),
-            decode_mask=attn.build_decode_mask(seq_lens, max_blocks),
-            prefills=seqs,
+        layout = StepLayout(
+            slot_mapping=slots,
+            decode_seq_lens=[s.request.num_computed_tokens + 1 for s in decodes],
+            decode_block_ids=[s.block_ids for s in decodes],
+            prefills=specs,
         )
+        return self.model.attn.build_metadata(layout)
 
     def _sampling_batch(self, samplers: list[ScheduledRequest]) -> SamplingBatch:
         params = [s.request.params for s in samplers]

@@ -50,15 +50,19 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope(
-    x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by its tokens' positions [num_tokens]."""
+def rope_gather(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables' rows for a step's positions, [num_tokens, 1, head_dim // 2] in the
+    activation dtype; gathered once per step and shared by every layer."""
+    return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] by per-token cos/sin rows
+    [num_tokens, 1, head_dim // 2] (from rope_gather)."""
     half = x.shape[-1] // 2
-    c = cos[positions].to(x.dtype)[:, None, :]
-    s = sin[positions].to(x.dtype)[:, None, :]
     x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

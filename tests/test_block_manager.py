@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from engine.block_manager import (FreeBlockQueue, KVBlock, KVCacheManager, hash_block,
+                                  root_hash)
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def req(rid: str, tokens: list[int], salt: bytes = b"") -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=8), salt=salt)
+
+
+def test_free_queue_is_lru_with_o1_removal() -> None:
+    blocks = [KVBlock(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3, 4]
+    assert q.popleft().block_id == 0
+    q.append(blocks[2])
+    assert [b.block_id for b in q] == [1, 3, 4, 2]
+    assert q.num_free == 4
+
+
+def test_hash_chain_is_stable_and_salted() -> None:
+    h0 = hash_block(root_hash(b""), [1, 2, 3])
+    assert h0 == hash_block(root_hash(b""), [1, 2, 3])
+    # The documented encoding, computed independently: host tiers persist these keys.
+    def field(b: bytes) -> bytes:
+        return len(b).to_bytes(4, "little") + b
+
+    root = hashlib.sha256(field(b"tidewire.block.v1") + field(b"")).digest()
+    toks = b"".join(t.to_bytes(4, "little") for t in (1, 2, 3))
+    assert h0 == hashlib.sha256(field(root) + field(b"") + field(toks)).digest()
+    assert h0.hex().startswith("ef6adc9a403663cb")
+    assert hash_block(root_hash(b"tenant-a"), [1, 2, 3]) != h0
+    # Length prefixes: moving bytes between fields never collides.
+    assert hash_block(root_hash(b""), [1, 2, 3], extra=b"\x04\x00\x00\x00") != \
+        hash_block(root_hash(b""), [1, 2, 3, 4])
+    assert hash_block(h0, [7]) != hash_block(root_hash(b""), [7])
+
+
+def test_allocation_block_ids_and_growth() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = req("a", list(range(10)))
+    assert kv.allocate_slots(r, 10)
+    assert kv.block_ids("a") == [0, 1, 2]
+    r.num_computed_tokens = 10
+    assert kv.allocate_slots(r, 2)  # 12 tokens still fit in 3 blocks
+    assert kv.block_ids("a") == [0, 1, 2]
+    r.num_computed_tokens = 12
+    assert kv.allocate_slots(r, 1)
+    assert kv.block_ids("a") == [0, 1, 2, 3]
+    assert kv.num_free_blocks == 4
+    kv.check_integrity()
+
+
+def test_allocation_fails_without_side_effects() -> None:
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r = req("a", list(range(12)))
+    assert not kv.allocate_slots(r, 12)
+    assert kv.block_ids("a") == [] and kv.num_free_blocks == 2
+    kv.check_integrity()
+
+
+def test_prefix_hit_reuses_blocks_and_refcounts() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req("a", list(range(10)))
+    assert kv.allocate_slots(a, 10)
+    a.num_computed_tokens = 10
+    kv.cache_full_blocks(a)  # blocks 0, 1 are full; block 2 holds 2 tokens
+    b = req("b", list(range(8)) + [99, 98, 97])
+    hits, n = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == [0, 1] and n == 8
+    assert kv.allocate_slots(b, 3, hits)
+    assert kv.block_ids("b") == [0, 1, 3]
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+    kv.check_integrity()
+
+
+def test_full_hit_leaves_last_token_to_compute() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    a = req("a", list(range(8)))
+    kv.allocate_slots(a, 8)
+    a.num_computed_tokens = 8
+    kv.cache_full_blocks(a)
+    hits, n = kv.get_computed_blocks(req("b", list(range(8))))
+    assert [h.block_id for h in hits] == [0] and n == 4
+
+
+def test_freed_blocks_stay_cached_and_evict_lru_with_hook() -> None:
+    evicted: list[int] = []
+    kv = KVCacheManager(num_blocks=4, block_size=2, on_evict=lambda bid, h: evicted.append(bid))
+    a = req("a", [1, 2, 3, 4, 5, 6])
+    kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    kv.cache_full_blocks(a)
+    kv.free(a)
+    # Freed tail first: queue order is 3 (never used), then 2, 1, 0 of "a".
+    assert [b.block_id for b in kv.pool.free_queue] == [3, 2, 1, 0]
+    b = req("b", [1, 2, 3, 4, 9])  # hits blocks 0 and 1
+    hits, n = kv.get_computed_blocks(b)
+    assert [h.block_id for h in hits] == [0, 1] and n == 4
+    assert kv.allocate_slots(b, 1, hits)
+    assert kv.block_ids("b") == [0, 1, 3] and evicted == []
+    c = req("c", [7, 7])
+    assert kv.allocate_slots(c, 2)
+    assert kv.block_ids("c") == [2] and evicted == [2]  # the LRU cached block goes
+    assert kv.pool.num_evictions == 1
+    kv.check_integrity()
+
+
+def test_tenants_do_not_share_cache() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    a = req("a", [1, 2, 3, 4, 5], salt=b"t1")
+    kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_full_blocks(a)
+    assert kv.get_computed_blocks(req("b", [1, 2, 3, 4, 5], salt=b"t2"))[1] == 0
+    assert kv.get_computed_blocks(req("c", [1, 2, 3, 4, 5], salt=b"t1"))[1] == 4
+
+
+def test_prefix_caching_off() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    a = req("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    a.num_computed_tokens = 5
+    kv.cache_full_blocks(a)
+    assert kv.pool.cached == {}
+    assert kv.get_computed_blocks(req("b", [1, 2, 3, 4, 5])) == ([], 0)
+
+
+def test_integrity_check_catches_corruption() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = req("a", [1, 2, 3])
+    kv.allocate_slots(a, 3)
+    kv.pool.blocks[0].ref_cnt += 1
+    with pytest.raises(AssertionError):
+        kv.check_integrity()

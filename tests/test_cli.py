@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_generate_command_prints_text(smollm2_dir) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "service.cli", "generate", "--model", "smollm2-135m",
+         "--max-tokens", "16", "--chat", "What is the capital of France?"],
+        capture_output=True, text=True, timeout=300, check=True)
+    assert "Paris" in out.stdout
+
+
+def test_cli_reports_bad_model_cleanly(tmp_path) -> None:
+    out = subprocess.run([sys.executable, "-m", "service.cli", "generate", "--model",
+                          str(tmp_path / "missing"), "hi"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "error" in out.stderr and "Traceback" not in out.stderr
