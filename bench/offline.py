@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--single-stream-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="Tidewire only")
+    p.add_argument("--skip-throughput", action="store_true",
+                   help="only the single-stream decode comparison")
     p.add_argument("--profile", action="store_true", help="profile one decode step at batch 64")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
 
@@ -70,9 +73,10 @@ def run_tidewire(llm: Any, work: list[BenchRequest]) -> dict:
             "steps": llm.engine.num_steps - steps0}
 
 
-def single_stream(llm: Any, hf: Any, prompt: list[int], n: int) -> dict:
-    """Batch-1 decode speed: the time of (n + 1) new tokens minus 1 new token isolates
-    n decode steps from the prefill."""
+def single_stream(llm: Any, hf: Any, prompt: list[int], n: int, rounds: int = 3) -> dict:
+    """Batch-1 decode speed. The time of (n + 1) new tokens minus that of 1 new token
+    isolates n decode steps from the prefill; the two systems alternate for `rounds`
+    rounds and the medians are compared, so machine noise hits both alike."""
     from engine import SamplingParams
 
     def tw(k: int) -> float:
@@ -88,12 +92,16 @@ def single_stream(llm: Any, hf: Any, prompt: list[int], n: int) -> dict:
                         min_new_tokens=k, do_sample=False, pad_token_id=0)
         return time.perf_counter() - t
 
-    res: dict[str, float] = {}
-    for name, fn in (("tidewire", tw), ("hf", hf_gen)):
-        if fn is hf_gen and hf is None:
-            continue
+    systems = {"tidewire": tw} | ({"hf": hf_gen} if hf is not None else {})
+    times: dict[str, list[float]] = {name: [] for name in systems}
+    for fn in systems.values():
         fn(2)  # warm up
-        dt = fn(n + 1) - fn(1)
+    for _ in range(rounds):
+        for name, fn in systems.items():
+            times[name].append(fn(n + 1) - fn(1))
+    res: dict[str, float] = {}
+    for name, ts in times.items():
+        dt = statistics.median(ts)
         res[f"{name}_decode_tok_s"] = n / dt
         res[f"{name}_ms_per_token"] = 1000 * dt / n
     if "hf_decode_tok_s" in res:
@@ -139,20 +147,9 @@ def main(a: argparse.Namespace) -> int:
           f"{max(len(r.prompt_token_ids) for r in work)} tokens, outputs "
           f"{sum(r.max_tokens for r in work)} tokens total; torch threads {torch.get_num_threads()}")
     hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype)
-    run_tidewire(llm, work[:4])  # warm up
     result: dict[str, Any] = {"workload": "chat-64", "dtype": a.dtype, "model": a.model}
-    result["tidewire"] = run_tidewire(llm, work)
-    print(f"tidewire   {result['tidewire']['output_tok_s']:8.1f} output tok/s "
-          f"({result['tidewire']['seconds']:.1f}s, {result['tidewire']['steps']} steps)")
-    if hf is not None:
-        pad = llm.engine.arch.eos_token_ids[0] if llm.engine.arch.eos_token_ids else 0
-        result["hf_static"] = run_hf_static(hf, work, a.hf_batch_size, pad)
-        result["hf_static"]["batch_size"] = a.hf_batch_size
-        result["throughput_ratio"] = (result["tidewire"]["output_tok_s"]
-                                      / result["hf_static"]["output_tok_s"])
-        print(f"hf static  {result['hf_static']['output_tok_s']:8.1f} output tok/s "
-              f"({result['hf_static']['seconds']:.1f}s, batches of {a.hf_batch_size})")
-        print(f"ratio      {result['throughput_ratio']:8.2f}x")
+    if not a.skip_throughput:
+        _throughput(llm, hf, work, a, result)
     ss = single_stream(llm, hf, work[0].prompt_token_ids[:32], a.single_stream_tokens)
     result["single_stream"] = ss
     print("single stream: " + ", ".join(f"{k}={v:.2f}" for k, v in ss.items()))
@@ -166,3 +163,20 @@ def main(a: argparse.Namespace) -> int:
         a.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {a.json}")
     return 0
+
+
+def _throughput(llm: Any, hf: Any, work: list[BenchRequest], a: argparse.Namespace,
+                result: dict[str, Any]) -> None:
+    run_tidewire(llm, work[:4])  # warm up
+    result["tidewire"] = run_tidewire(llm, work)
+    print(f"tidewire   {result['tidewire']['output_tok_s']:8.1f} output tok/s "
+          f"({result['tidewire']['seconds']:.1f}s, {result['tidewire']['steps']} steps)")
+    if hf is not None:
+        pad = llm.engine.arch.eos_token_ids[0] if llm.engine.arch.eos_token_ids else 0
+        result["hf_static"] = run_hf_static(hf, work, a.hf_batch_size, pad)
+        result["hf_static"]["batch_size"] = a.hf_batch_size
+        result["throughput_ratio"] = (result["tidewire"]["output_tok_s"]
+                                      / result["hf_static"]["output_tok_s"])
+        print(f"hf static  {result['hf_static']['output_tok_s']:8.1f} output tok/s "
+              f"({result['hf_static']['seconds']:.1f}s, batches of {a.hf_batch_size})")
+        print(f"ratio      {result['throughput_ratio']:8.2f}x")

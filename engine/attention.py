@@ -39,8 +39,10 @@ class AttentionBackend(ABC):
 
     name = "abstract"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype = torch.float32):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.dtype = dtype  # the KV cache's dtype
         self.block_size = block_size
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
@@ -86,8 +88,12 @@ def bucket_decodes(num_blocks: list[int], min_rows: int = 8, ratio: float = 0.5,
 class DecodeBucket:
     start: int
     end: int
-    block_table: torch.Tensor  # [rows, max_blocks] int64, padded with block 0
+    block_ids: torch.Tensor  # [rows * max_blocks] int64: the padded block table, flat
     mask: torch.Tensor | None  # [rows, 1, 1, max_blocks * block_size] bool; None: no padding
+    k_out: torch.Tensor  # gather target [kvh, rows * max_blocks, bs * d] (shared buffer)
+    v_out: torch.Tensor
+    k: torch.Tensor  # k_out viewed as [rows, kvh, max_blocks * bs, d]
+    v: torch.Tensor
 
 
 @dataclass
@@ -117,8 +123,9 @@ class CpuAttention(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
         # Gather buffers reused by every layer and step: a fresh multi-MB tensor per
         # gather costs page faults that take longer than the copy itself.
         self._bufs: dict[str, torch.Tensor] = {}
@@ -129,18 +136,40 @@ class CpuAttention(AttentionBackend):
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         bs = self.block_size
         nblocks = [-(-n // bs) for n in layout.decode_seq_lens]
-        buckets = []
+        buckets, offset = [], 0
         for start, end in bucket_decodes(nblocks):
             width = nblocks[start]
-            table = [ids[:width] + [0] * (width - len(ids[:width]))
-                     for ids in layout.decode_block_ids[start:end]]
+            flat = [b for ids in layout.decode_block_ids[start:end]
+                    for b in ids[:width] + [0] * (width - len(ids[:width]))]
             lens = torch.tensor(layout.decode_seq_lens[start:end])
             mask = None
             if int(lens.min()) < width * bs:
                 mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
-            buckets.append(DecodeBucket(start, end, torch.tensor(table, dtype=torch.int64), mask))
+            buckets.append(self._bucket(start, end, flat, width, mask, offset))
+            offset += len(flat)
         prefills = [self._prefill_meta(p) for p in layout.prefills]
         return CpuMetadata(torch.tensor(layout.slot_mapping, dtype=torch.int64), buckets, prefills)
+
+    def _bucket(self, start: int, end: int, flat: list[int], width: int,
+                mask: torch.Tensor | None, offset: int) -> DecodeBucket:
+        """Gather targets are carved from step-wide buffers once here, not per layer."""
+        kvh, d, bs, n = self.num_kv_heads, self.head_dim, self.block_size, end - start
+        outs = []
+        for name in ("k", "v"):
+            buf = self._buffer(name, kvh * (offset + len(flat)) * bs * d)
+            region = buf[kvh * offset * bs * d : kvh * (offset + len(flat)) * bs * d]
+            outs.append(region.view(kvh, len(flat), bs * d))
+        views = [o.view(kvh, n, width * bs, d).transpose(0, 1) for o in outs]
+        return DecodeBucket(start, end, torch.tensor(flat, dtype=torch.int64), mask,
+                            outs[0], outs[1], views[0], views[1])
+
+    def _buffer(self, name: str, numel: int) -> torch.Tensor:
+        """A reused flat buffer of at least `numel` elements. Growing it replaces the
+        tensor, so views taken earlier in the same step keep the old storage alive."""
+        store = self._bufs.get(name)
+        if store is None or store.numel() < numel or store.dtype != self.dtype:
+            store = self._bufs[name] = torch.empty(max(numel, 1 << 20), dtype=self.dtype)
+        return store
 
     def _prefill_meta(self, p: PrefillSpec) -> CpuPrefill:
         if p.ctx_len == p.q_len:
@@ -160,6 +189,8 @@ class CpuAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: CpuMetadata) -> torch.Tensor:
+        if not meta.prefills and len(meta.decodes) == 1:  # the common all-decode step
+            return self._decode(q, k_cache, v_cache, meta.decodes[0])
         out = torch.empty_like(q)
         for b in meta.decodes:
             out[b.start : b.end] = self._decode(q[b.start : b.end], k_cache, v_cache, b)
@@ -169,15 +200,12 @@ class CpuAttention(AttentionBackend):
         return out
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, buf: str) -> torch.Tensor:
-        """[kvh, num_blocks, bs, d] -> [kvh, numel(block_ids), bs * d], into a reused
-        buffer (valid until the next gather into the same buffer)."""
+        """[kvh, num_blocks, bs, d] -> [kvh, numel(block_ids), bs * d], into the prefill
+        gather buffer (valid until the next gather into it)."""
         kvh, nb, bs, d = cache.shape
         numel = kvh * block_ids.numel() * bs * d
-        store = self._bufs.get(buf)
-        if store is None or store.numel() < numel or store.dtype != cache.dtype:
-            store = self._bufs[buf] = torch.empty(max(numel, 1 << 20), dtype=cache.dtype)
-        out = store[:numel].view(kvh, block_ids.numel(), bs * d)
-        return torch.index_select(cache.view(kvh, nb, bs * d), 1, block_ids.view(-1), out=out)
+        out = self._buffer(buf, numel)[:numel].view(kvh, block_ids.numel(), bs * d)
+        return torch.index_select(cache.view(kvh, nb, bs * d), 1, block_ids, out=out)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
@@ -186,12 +214,11 @@ class CpuAttention(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 b: DecodeBucket) -> torch.Tensor:
-        n, kvh, d = q.shape[0], self.num_kv_heads, self.head_dim
-        # [kvh, n, L, d] viewed as [n, kvh, L, d] (strided; SDPA takes it as is)
-        k = self._gather(k_cache, b.block_table, "k").view(kvh, n, -1, d).transpose(0, 1)
-        v = self._gather(v_cache, b.block_table, "v").view(kvh, n, -1, d).transpose(0, 1)
-        o = self._sdpa(q.unsqueeze(2), k, v, b.mask)  # [n, heads, 1, d]
-        return o.squeeze(2)
+        kvh, nb = k_cache.shape[0], k_cache.shape[1]
+        torch.index_select(k_cache.view(kvh, nb, -1), 1, b.block_ids, out=b.k_out)
+        torch.index_select(v_cache.view(kvh, nb, -1), 1, b.block_ids, out=b.v_out)
+        # b.k, b.v: [n, kvh, L, d] strided views of the gathered blocks; SDPA takes them.
+        return self._sdpa(q.unsqueeze(2), b.k, b.v, b.mask).squeeze(2)  # [n, heads, d]
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, p: CpuPrefill) -> torch.Tensor:
@@ -199,8 +226,8 @@ class CpuAttention(AttentionBackend):
         if p.block_ids is None:  # the whole context is this chunk: no cache read needed
             k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kvh, T, d]
         else:
-            k = self._gather(k_cache, p.block_ids, "k").view(kvh, -1, d)[:, : p.ctx_len]
-            v = self._gather(v_cache, p.block_ids, "v").view(kvh, -1, d)[:, : p.ctx_len]
+            k = self._gather(k_cache, p.block_ids, "pk").view(kvh, -1, d)[:, : p.ctx_len]
+            v = self._gather(v_cache, p.block_ids, "pv").view(kvh, -1, d)[:, : p.ctx_len]
         o = self._sdpa(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                        p.mask, causal=p.block_ids is None)
         return o[0].transpose(0, 1)

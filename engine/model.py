@@ -90,19 +90,26 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features = weight.shape[0]
-        self._packed = _mkldnn_pack(self.weight) if weight.dtype == torch.bfloat16 else None
-        if self._packed is not None:
-            self.weight = None  # type: ignore[assignment]  # the packed copy replaces it
+        packed = _mkldnn_pack(self.weight) if weight.dtype == torch.bfloat16 else None
+        if packed is not None:
+            self.weight = packed  # the packed copy replaces the plain one
+            self._op = _PACKED_LINEAR  # resolved once: torch.ops lookups cost µs per call
+        else:
+            self._op = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        if self._op is not None:
+            return self._op(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+_PACKED_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
 def _mkldnn_pack(w: torch.Tensor) -> torch.Tensor | None:
     """oneDNN-packed weight, or None where this torch build cannot (then F.linear)."""
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if (w.device.type != "cpu" or _PACKED_LINEAR is None
+            or not torch.backends.mkldnn.is_available()):
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)

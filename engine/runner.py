@@ -26,7 +26,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  backend: str, block_size: int, num_blocks: int, seed: int = 0) -> None:
-        attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size)
+        attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
+                                    dtype)
         self.block_size = block_size
         self.model = LlamaModel(arch, weights, dtype, attn)
         shape = attn.cache_shape(num_blocks)

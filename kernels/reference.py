@@ -9,6 +9,7 @@ it bit for bit where the op order allows.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(
@@ -19,8 +20,9 @@ def rms_norm(
     x, residual: [num_tokens, hidden] in the activation dtype; weight: [hidden]."""
     if residual is not None:
         x = x + residual
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    # F.rms_norm in fp32 is bit-identical to HF's x * rsqrt(mean(x^2) + eps) and one op
+    # instead of five; the weight multiplies after the cast, as in HF.
+    h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * h.to(x.dtype), x
 
 
@@ -52,17 +54,21 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 def rope_gather(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tables' rows for a step's positions, [num_tokens, 1, head_dim // 2] in the
-    activation dtype; gathered once per step and shared by every layer."""
-    return cos[positions].to(dtype)[:, None, :], sin[positions].to(dtype)[:, None, :]
+    """Full-width rows for a step's positions, [num_tokens, 1, head_dim], in the
+    activation dtype: cos repeated over both halves, sin with the first half negated
+    (so rotate_half's sign lives in the table). Gathered once per step, shared by
+    every layer."""
+    c, s = cos[positions], sin[positions]
+    full_cos = torch.cat((c, c), dim=-1).to(dtype)[:, None, :]
+    signed_sin = torch.cat((-s, s), dim=-1).to(dtype)[:, None, :]
+    return full_cos, signed_sin
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by per-token cos/sin rows
-    [num_tokens, 1, head_dim // 2] (from rope_gather)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotation of x [num_tokens, num_heads, head_dim] by rope_gather's rows:
+    x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written as a roll of
+    the halves times the signed sin (the same IEEE products as HF transformers)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
