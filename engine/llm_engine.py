@@ -59,7 +59,8 @@ class LLMEngine:
         self.arch = ModelArch.from_dir(self.model_dir)
         self.tokenizer: Any = load_tokenizer(self.model_dir)
         self.dtype = DTYPES[config.dtype]
-        self.max_model_len = config.max_model_len or self.arch.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or self.arch.max_context,
+                                 self.arch.max_context)
         self.eos_token_ids = self._eos_ids()
         cc = config.cache
         self.num_blocks = cc.num_blocks or self._auto_num_blocks()

@@ -39,6 +39,9 @@ class ModelArch:
     rope_scaling: dict | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mistral's sliding window: attention is full-context here, which is exact only
+    # while the context stays within the window, so the engine caps max_model_len to it.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
@@ -68,7 +71,16 @@ class ModelArch:
             rope_scaling=scaling,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=(cfg.get("sliding_window")
+                            if cfg.get("use_sliding_window", True) else None),
         )
+
+    @property
+    def max_context(self) -> int:
+        """The longest context this implementation serves exactly."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelArch:

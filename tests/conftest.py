@@ -19,14 +19,15 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a random model of the given family (HF format) to `path`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
 
     torch.manual_seed(seed)
     kw = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, **overrides}
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**kw))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(**kw))
+    families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                "mistral": (MistralConfig, MistralForCausalLM)}
+    config_cls, model_cls = families[arch]
+    model = model_cls(config_cls(**kw))
     model.eval().save_pretrained(path)
     return path
 

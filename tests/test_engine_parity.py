@@ -22,6 +22,8 @@ MODELS = {
     "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2)),
     "llama-mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
     "qwen2-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2,
+                                sliding_window=512)),
 }
 
 
@@ -100,3 +102,12 @@ def test_eos_stops_unless_ignored(tiny_models) -> None:
     ignored = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0,
                                                     ignore_eos=True))[0]
     assert ignored.token_ids == free_run and ignored.finish_reason == "length"
+
+
+def test_sliding_window_caps_the_context(tiny_models) -> None:
+    path = tiny_models("mistral", 0, num_attention_heads=4, num_key_value_heads=2,
+                       sliding_window=512)
+    llm = LLM(model=str(path), dtype="float32")
+    assert llm.engine.max_model_len == 512
+    with pytest.raises(ValueError, match="context window of 512"):
+        llm.generate([list(range(3, 500))], SamplingParams(max_tokens=20))
