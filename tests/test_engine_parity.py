@@ -110,4 +110,4 @@ def test_sliding_window_caps_the_context(tiny_models) -> None:
     llm = LLM(model=str(path), dtype="float32")
     assert llm.engine.max_model_len == 512
     with pytest.raises(ValueError, match="context window of 512"):
-        llm.generate([list(range(3, 500))], SamplingParams(max_tokens=20))
+        llm.generate([[5] * 500], SamplingParams(max_tokens=20))
