@@ -127,7 +127,7 @@ def profile_decode_step(llm: Any, batch: int = 64, ctx: int = 200) -> dict:
     step_ms = 1000 * (time.perf_counter() - t)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         eng.step()
-    eng.abort(list(eng.scheduler.requests))
+    eng.abort(eng.request_ids())
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
     totals: dict[str, float] = {}
     for e in prof.key_averages():

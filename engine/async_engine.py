@@ -13,12 +13,12 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.outputs import RequestOutput, StepOutput
+from engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -40,17 +40,28 @@ class _Stop:
 
 
 class RequestStream:
-    """Async iterator of RequestOutput for one request; ends after the finished one."""
+    """Async iterator of RequestOutput for one request; ends once every sample is done.
 
-    def __init__(self, request: Request, detok: IncrementalDetokenizer) -> None:
+    Each yielded RequestOutput carries one delta (`index`, `new_token_ids`,
+    `delta_text`) and shares the live cumulative `outputs` list. Steps that queued up
+    while the consumer was busy are merged into one delta per sample, never dropped."""
+
+    def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
-        self.output = RequestOutput(request.request_id, list(request.prompt_token_ids))
-        self._detok = detok
-        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.output = RequestOutput(request.request_id, list(request.prompt_token_ids),
+                                    [CompletionOutput(i) for i in range(request.params.n)])
+        self._pending: deque[StepOutput] = deque()
+        self._ready = asyncio.Event()
+        self.done_indexes: set[int] = set()  # samples whose finished output has arrived
         self.finished = False
 
-    def _push(self, out: StepOutput) -> None:
-        self._queue.put_nowait(out)
+    def _push(self, out: StepOutput) -> bool:
+        """Queue a step's output; True once every sample has its finished output."""
+        self._pending.append(out)
+        self._ready.set()
+        if out.finished:
+            self.done_indexes.add(out.index)
+        return len(self.done_indexes) == len(self.output.outputs)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -58,25 +69,25 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        step = await self._queue.get()
-        # Merge whatever else already arrived, so a slow consumer sees fewer, larger deltas.
-        new = list(step.new_token_ids)
-        while not step.finished and not self._queue.empty():
-            step = self._queue.get_nowait()
-            new.extend(step.new_token_ids)
-        return self._apply(step, new)
-
-    def _apply(self, step: StepOutput, new: list[int]) -> RequestOutput:
+        while not self._pending:
+            self._ready.clear()
+            await self._ready.wait()
+        step = self._pending.popleft()
+        while self._pending and self._pending[0].index == step.index and not step.finished:
+            step = _merge(step, self._pending.popleft())
         o = self.output
-        o.token_ids = o.token_ids + new
-        o.new_token_ids = new
-        o.delta_text = self._detok.push(new, final=step.finished)
-        o.text += o.delta_text
-        o.num_cached_tokens = step.num_cached_tokens
-        if step.finished:
-            self.finished = True
-            o.finished, o.finish_reason, o.error = True, step.finish_reason, step.error
-        return RequestOutput(**vars(o))
+        o.apply(step)
+        self.finished = o.finished
+        return RequestOutput(o.request_id, o.prompt_token_ids, o.outputs, o.finished,
+                             o.num_cached_tokens, o.index, o.new_token_ids, o.delta_text, o.error)
+
+
+def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
+    """Two consecutive deltas of one sample as one."""
+    lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta,
+                      b.finished, b.finish_reason, a.index, b.num_prompt_tokens,
+                      b.num_cached_tokens, lps, b.stop_reason, b.error)
 
 
 class AsyncEngine:
@@ -121,7 +132,7 @@ class AsyncEngine:
         req = self.engine.make_request(prompt, params, request_id, salt)
         if req.request_id in self._streams:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        stream = RequestStream(req, IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids))
+        stream = RequestStream(req)
         self._streams[req.request_id] = stream
         self._inbox.put(_Add(req))
         return stream
@@ -148,9 +159,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            if out.finished:
+            if stream._push(out):  # every sample has finished: no more outputs can come
                 del self._streams[out.request_id]
-            stream._push(out)
 
     # -- the engine thread -------------------------------------------------------------
 
@@ -170,8 +180,7 @@ class AsyncEngine:
             self.dead = e
             self._fail_all(repr(e))
             return
-        ids = list(eng.scheduler.requests)
-        self._publish(eng.abort(ids))
+        self._publish(eng.abort(eng.request_ids()))
 
     def _drain(self, block: bool, outs: list[StepOutput]) -> bool:
         """Apply queued commands; False once Stop arrives."""
@@ -201,9 +210,12 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> None:
         """Finish every known stream with an error, including ones still in the inbox."""
-        outs = self.engine.abort(list(self.engine.scheduler.requests), RequestStatus.FINISHED_ERROR)
-        known = {o.request_id for o in outs}
-        outs += [StepOutput(rid, [], True, "error") for rid in list(self._streams) if rid not in known]
+        outs = self.engine.abort(self.engine.request_ids(), RequestStatus.FINISHED_ERROR)
+        known = {(o.request_id, o.index) for o in outs}
+        for rid, stream in list(self._streams.items()):  # e.g. still in the inbox
+            outs += [StepOutput(rid, [], finished=True, finish_reason="error", index=i)
+                     for i in range(len(stream.output.outputs))
+                     if (rid, i) not in known and i not in stream.done_indexes]
         for o in outs:
             o.error = message
         self._publish(outs)

@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import DEFAULT_MODEL
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -81,21 +80,16 @@ class LLM:
         return f"offline-{self._counter}"
 
     def _run(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        results = {r.request_id: RequestOutput(r.request_id, r.prompt_token_ids) for r in reqs}
+        results = {r.request_id: RequestOutput(
+            r.request_id, r.prompt_token_ids,
+            [CompletionOutput(i) for i in range(r.params.n)]) for r in reqs}
         for r in reqs:
             self.engine.add(r)
         bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 res = results[out.request_id]
-                res.token_ids.extend(out.new_token_ids)
-                if out.finished:
-                    res.finished, res.finish_reason = True, out.finish_reason
-                    res.num_cached_tokens = out.num_cached_tokens
-                    bar.update(1)
+                res.apply(out)
+                bar.update(int(res.finished and out.finished))
         bar.close()
-        for res in results.values():
-            if self.tokenizer is not None:
-                detok = IncrementalDetokenizer(self.tokenizer, res.prompt_token_ids)
-                res.text = detok.push(res.token_ids, final=True)
         return [results[r.request_id] for r in reqs]

@@ -16,6 +16,7 @@ import torch
 
 from engine.block_manager import KVCacheManager
 from engine.config import CacheConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.loader import DEFAULT_MODEL, load_tokenizer, load_weights, resolve_model
 from engine.model import ModelArch
 from engine.outputs import StepOutput
@@ -70,6 +71,9 @@ class LLMEngine:
                                   config.attention_backend, cc.block_size, self.num_blocks,
                                   config.seed)
         self.num_steps = 0
+        self._children: dict[str, list[str]] = {}  # caller's id -> unfinished sample ids
+        self._siblings: dict[str, list[Request]] = {}  # first sample id -> samples to start
+        self._detoks: dict[str, IncrementalDetokenizer | None] = {}
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
                  config.dtype, time.monotonic() - t0, self.num_blocks, cc.block_size)
 
@@ -124,15 +128,50 @@ class LLMEngine:
         return Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids, salt)
 
     def add(self, req: Request) -> None:
-        self.scheduler.add(req)
+        """Queue a request. With n > 1 it becomes n samples (ids `<id>\x00<i>`): the first
+        is admitted now, its siblings once its prompt is computed, so they find every
+        full prompt block in the prefix cache and share it (ref counts) instead of
+        recomputing it."""
+        rid = req.request_id
+        if rid in self._children:
+            raise ValueError(f"duplicate request id {rid!r}")
+        n = req.params.n
+        kids = [req] if n == 1 else [self._child(req, i) for i in range(n)]
+        self._children[rid] = [k.request_id for k in kids]
+        for k in kids:
+            self._detoks[k.request_id] = self._detokenizer(k)
+        self.scheduler.add(kids[0])
+        if n > 1:
+            self._siblings[kids[0].request_id] = kids[1:]
+
+    @staticmethod
+    def _child(req: Request, i: int) -> Request:
+        return Request(f"{req.request_id}\x00{i}", req.prompt_token_ids, req.params,
+                       req.eos_token_ids, req.salt, req.arrival_time, parent_id=req.request_id,
+                       index=i)
+
+    def _detokenizer(self, r: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
+                                      r.params.skip_special_tokens, r.params.stop)
 
     def abort(self, request_ids: list[str],
               status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[StepOutput]:
-        """Finish requests now (their blocks return to the pool before the next step)."""
-        done = self.scheduler.finish_requests(request_ids, status)
-        for r in done:
-            self.runner.release(r.request_id)
-        return [self._output(r, []) for r in done]
+        """Finish requests (by the caller's ids) now: their blocks return to the pool
+        before the next step. Returns one finished output per sample."""
+        outs = []
+        for rid in request_ids:
+            kids = self._children.get(rid, [])
+            waiting = self._siblings.pop(kids[0], []) if kids else []
+            for r in self.scheduler.finish_requests(kids, status) + waiting:
+                r.status = status
+                outs.append(self._emit(r, [], None))
+        return outs
+
+    def request_ids(self) -> list[str]:
+        """The callers' ids of every unfinished request."""
+        return list(self._children)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -144,18 +183,41 @@ class LLMEngine:
         if sched.empty:
             return []
         sampled = self.runner.execute(sched)
-        touched = self.scheduler.update(sched, sampled)
+        touched = self.scheduler.update(sched, {k: t for k, (t, _) in sampled.items()})
         self.num_steps += 1
-        if self.config.debug:
-            self.kv.check_integrity()
         outs = []
         for r in touched:
-            if r.status.finished:
-                self.runner.release(r.request_id)
-            outs.append(self._output(r, r.output_token_ids[-1:]))
+            lp = sampled[r.request_id][1]
+            outs.append(self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp]))
+            siblings = self._siblings.pop(r.request_id, None)
+            if siblings:  # the prompt is computed and cached: the other samples may start
+                for sib in siblings:
+                    self.scheduler.add(sib)
+        if self.config.debug:
+            self.kv.check_integrity()
         return outs
 
-    @staticmethod
-    def _output(r: Request, new: list[int]) -> StepOutput:
-        return StepOutput(r.request_id, new, r.status.finished, r.finish_reason,
-                          r.num_prompt_tokens, max(r.num_cached_tokens, 0))
+    def _emit(self, r: Request, new: list[int], logprobs: list | None) -> StepOutput:
+        """Detokenize the new tokens, apply stop strings, clean up a finished sample."""
+        detok = self._detoks.get(r.request_id)
+        delta = ""
+        if detok is not None:
+            delta = detok.push(new, final=r.status.finished)
+            if detok.stop_hit is not None:
+                r.stop_reason = detok.stop_hit
+                if not r.status.finished:
+                    self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED)
+        if r.status.finished:
+            self._finished(r)
+        return StepOutput(r.parent_id, new, delta, r.status.finished, r.finish_reason, r.index,
+                          r.num_prompt_tokens, max(r.num_cached_tokens, 0), logprobs,
+                          r.stop_reason)
+
+    def _finished(self, r: Request) -> None:
+        self.runner.release(r.request_id)
+        self._detoks.pop(r.request_id, None)
+        kids = self._children.get(r.parent_id)
+        if kids is not None and r.request_id in kids:
+            kids.remove(r.request_id)
+            if not kids:
+                del self._children[r.parent_id]

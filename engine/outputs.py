@@ -6,30 +6,87 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's logprob and the top alternatives (after the processing
+    documented on SamplingParams, before temperature and truncation)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
 class StepOutput:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one sample (`index`) of one request."""
 
     request_id: str
     new_token_ids: list[int]
+    text_delta: str = ""
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
+    index: int = 0
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
     error: str | None = None
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request, cumulative."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
-    """A request's state as seen by a caller: cumulative tokens and text, plus the
-    delta since the previous output of the same request."""
+    """A request as seen by a caller: every sample's cumulative tokens and text, plus
+    the latest delta (for sample `index`) when streaming. With n == 1 the top-level
+    token_ids / text / finish_reason are those of the only sample."""
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0
+    index: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    num_cached_tokens: int = 0
     error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    def apply(self, step: StepOutput) -> None:
+        """Fold one step's delta into the cumulative state."""
+        out = self.outputs[step.index]
+        out.token_ids.extend(step.new_token_ids)
+        out.text += step.text_delta
+        if step.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + step.logprobs
+        if step.finished:
+            out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
+        self.index, self.new_token_ids, self.delta_text = (step.index, step.new_token_ids,
+                                                           step.text_delta)
+        self.num_cached_tokens = max(self.num_cached_tokens, step.num_cached_tokens)
+        self.error = step.error or self.error
+        self.finished = all(o.finished for o in self.outputs)

@@ -42,12 +42,16 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     salt: bytes = b""  # tenant salt, seeds the prefix-cache hash chain
     arrival_time: float = field(default_factory=time.monotonic)
+    # n > 1: each sample is its own Request; parent_id is the caller's request id.
+    parent_id: str = ""
+    index: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
+    stop_reason: str | int | None = None  # the stop token id or stop string that ended it
     # Chained hashes of this request's full blocks (block i covers tokens
     # [i*bs, (i+1)*bs)); extended by the block manager as tokens become known.
     block_hashes: list[bytes] = field(default_factory=list)
@@ -79,9 +83,17 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    def __post_init__(self) -> None:
+        self.parent_id = self.parent_id or self.request_id
+
     def check_stop(self) -> RequestStatus | None:
-        """The finished status after the newest token, or None to keep going."""
-        if not self.params.ignore_eos and self.output_token_ids[-1] in self.eos_token_ids:
+        """The finished status after the newest token, or None to keep going.
+        (EOS and stop tokens cannot be sampled before min_tokens: the sampler masks them.)"""
+        last = self.output_token_ids[-1]
+        if last in self.params.stop_token_ids:
+            self.stop_reason = last
+            return RequestStatus.FINISHED_STOPPED
+        if not self.params.ignore_eos and last in self.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

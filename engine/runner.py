@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import PrefillSpec, StepLayout, get_backend
 from engine.model import LlamaModel, ModelArch
+from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -36,15 +37,17 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """Run one step; returns request id -> sampled token for the rows that sample."""
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Run one step; request id -> (sampled token, its logprobs if asked) for the
+        rows that sample."""
         inputs = self.prepare(out)
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
                                     inputs.meta, inputs.logits_rows)
         if not inputs.sample_ids:
             return {}
-        tokens = self.sampler(logits, inputs.sampling).tolist()
-        return dict(zip(inputs.sample_ids, tokens))
+        res = self.sampler(logits, inputs.sampling)
+        return dict(zip(inputs.sample_ids, zip(res.tokens, res.logprobs)))
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -99,15 +102,20 @@ class ModelRunner:
         return self.model.attn.build_metadata(layout)
 
     def _sampling_batch(self, samplers: list[ScheduledRequest]) -> SamplingBatch:
-        params = [s.request.params for s in samplers]
-        gens = [self._generator(s) for s in samplers]
-        return SamplingBatch(params, gens)
+        reqs = [s.request for s in samplers]
+        return SamplingBatch(
+            params=[r.params for r in reqs],
+            generators=[self._generator(s) for s in samplers],
+            prompt_ids=[r.prompt_token_ids for r in reqs],
+            output_ids=[r.output_token_ids for r in reqs],
+            eos_ids=[r.eos_token_ids for r in reqs],
+        )
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.request.params.seed
         if seed is None or s.request.params.greedy:
             return None
         rid = s.request.request_id
-        if rid not in self._generators:
-            self._generators[rid] = torch.Generator().manual_seed(seed)
+        if rid not in self._generators:  # sample i of an n > 1 request uses seed + i
+            self._generators[rid] = torch.Generator().manual_seed(seed + s.request.index)
         return self._generators[rid]

@@ -1,9 +1,10 @@
 """Vectorized token sampling over a whole step's logits.
 
-Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p on one
-descending sort, then draw with the exponential-race trick (argmax of p / E, E ~ Exp(1)),
-which needs one noise vector per row: seeded requests draw theirs from their own
-generator, so a seeded request gets the same tokens whatever batch it runs in.
+Each transformation works on the rows that need it, in one batched op (no Python loop
+over the vocabulary). The order is documented on SamplingParams. Sampled rows draw with
+the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs one noise vector
+per row: a seeded request draws its noise from its own generator, so it gets the same
+tokens whatever batch it runs in.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -21,51 +23,159 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]  # per row; None = the shared generator
+    prompt_ids: list[list[int]]  # per row (read for repetition_penalty)
+    output_ids: list[list[int]]  # per row, tokens generated so far
+    eos_ids: list[frozenset[int]]
 
     @property
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
 
 
+@dataclass
+class SamplerOutput:
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+def _rows(batch: SamplingBatch, pred) -> list[int]:  # noqa: ANN001 - predicate on params
+    return [i for i, p in enumerate(batch.params) if pred(p)]
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
+    """logits [rows, vocab] += bias per row (in place). Ids past the vocabulary are ignored."""
+    vocab = logits.shape[-1]
+    r = [i for i, b in enumerate(biases) for t in b if t < vocab]
+    t = [t for b in biases for t in b if t < vocab]
+    v = [x for b in biases for t, x in b.items() if t < vocab]
+    if r:
+        logits.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(v, dtype=logits.dtype),
+                          accumulate=True)
+    return logits
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
+    """Set logits[i, banned[i]] = -inf (in place)."""
+    vocab = logits.shape[-1]
+    r = [i for i, ids in enumerate(banned) for t in ids if t < vocab]
+    t = [t for ids in banned for t in ids if t < vocab]
+    if r:
+        logits.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(float("-inf")))
+    return logits
+
+
+def _token_counts(ids: list[list[int]], vocab: int) -> torch.Tensor:
+    """[rows, vocab] occurrence counts of each row's token ids (fp32)."""
+    width = max((len(x) for x in ids), default=0)
+    counts = torch.zeros(len(ids), vocab + 1)
+    if width:
+        padded = torch.tensor([x + [vocab] * (width - len(x)) for x in ids])  # pad -> column V
+        counts.scatter_add_(1, padded, torch.ones(padded.shape))
+    return counts[:, :vocab]
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: list[list[int]],
+                             penalties: torch.Tensor) -> torch.Tensor:
+    """HF semantics: for every token seen in the prompt or output, divide a positive
+    logit by the penalty and multiply a negative one. logits [rows, vocab]."""
+    mask = _token_counts(seen, logits.shape[-1]) > 0
+    p = penalties[:, None]
+    return torch.where(mask, torch.where(logits < 0, logits * p, logits / p), logits)
+
+
+def apply_presence_frequency(logits: torch.Tensor, outputs: list[list[int]],
+                             presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI semantics over generated tokens: logit -= count * frequency_penalty +
+    (count > 0) * presence_penalty."""
+    counts = _token_counts(outputs, logits.shape[-1])
+    return logits - counts * frequency[:, None] - (counts > 0).float() * presence[:, None]
+
+
+def apply_temperature(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    return logits / temps[:, None]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) all but the top k tokens (k = vocab: off), then the tail whose
+    ascending cumulative probability is <= 1 - p (HF's rule; the top token always
+    stays). One descending sort serves both."""
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1, descending=True)
+    ordered = ordered.masked_fill(torch.arange(vocab)[None, :] >= ks[:, None], float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    tail = probs.flip(-1).cumsum(-1).flip(-1)  # mass at or below each rank, summed upward
+    remove = tail <= (1 - ps[:, None])
+    remove[:, 0] = False
+    ordered = ordered.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the top token's."""
+    probs = torch.softmax(logits, dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_ps[:, None]
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator().manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits: fp32 [rows, vocab] -> token ids [rows] int64."""
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy_tokens
-        rows = [i for i, p in enumerate(batch.params) if not p.greedy]
-        idx = torch.tensor(rows, dtype=torch.int64)
-        params = [batch.params[i] for i in rows]
-        probs = self._probs(logits[idx], params)
-        noise = self._noise(probs.shape, [batch.generators[i] for i in rows])
-        sampled = (probs / noise).argmax(dim=-1)
-        return greedy_tokens.index_copy(0, idx, sampled)
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits: fp32 [rows, vocab] (modified in place)."""
+        logits = self.process(logits, batch)
+        want_lp = [p.logprobs is not None for p in batch.params]
+        logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+        tokens = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            tokens = self._sample(logits, batch, tokens)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, self._logprobs(logprobs, tokens, batch, want_lp))
 
-    def _probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """Temperature, then top-k and top-p masks, then softmax. [rows, vocab]."""
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-        logits = logits / temps[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = self._top_k_top_p(logits, params)
-        return torch.softmax(logits, dim=-1)
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Bias, min_tokens and penalties: the logits that logprobs report."""
+        params = batch.params
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(logits, [p.logit_bias for p in params])
+        banned = [sorted((set() if p.ignore_eos else set(eos)) | set(p.stop_token_ids))
+                  if len(out) < p.min_tokens else []
+                  for p, out, eos in zip(params, batch.output_ids, batch.eos_ids)]
+        if any(banned):
+            ban_tokens(logits, banned)
+        rows = _rows(batch, lambda p: p.penalized)
+        if rows:
+            logits[rows] = self._penalize(logits[rows], [params[i] for i in rows],
+                                          [batch.prompt_ids[i] for i in rows],
+                                          [batch.output_ids[i] for i in rows])
+        return logits
 
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        vocab = logits.shape[-1]
-        ordered, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab)[None, :]
-        ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-        remove = rank >= ks[:, None]
-        ordered = ordered.masked_fill(remove, float("-inf"))
-        ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
-        probs = torch.softmax(ordered, dim=-1)
-        # Drop a token once the more likely ones already reach top_p (keeps >= 1).
-        before = probs.cumsum(dim=-1) - probs
-        ordered = ordered.masked_fill(before >= ps[:, None], float("-inf"))
-        return torch.empty_like(logits).scatter_(-1, order, ordered)
+    def _penalize(logits: torch.Tensor, params: list[SamplingParams],
+                  prompts: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+        rep = torch.tensor([p.repetition_penalty for p in params])
+        if bool((rep != 1.0).any()):
+            logits = apply_repetition_penalty(logits, [a + b for a, b in zip(prompts, outputs)], rep)
+        pres = torch.tensor([p.presence_penalty for p in params])
+        freq = torch.tensor([p.frequency_penalty for p in params])
+        if bool((pres != 0).any() or (freq != 0).any()):
+            logits = apply_presence_frequency(logits, outputs, pres, freq)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
+                greedy_tokens: torch.Tensor) -> torch.Tensor:
+        rows = _rows(batch, lambda p: not p.greedy)
+        idx = torch.tensor(rows, dtype=torch.int64)
+        params = [batch.params[i] for i in rows]
+        x = apply_temperature(logits[idx], torch.tensor([p.temperature for p in params]))
+        vocab = x.shape[-1]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+            x = apply_top_k_top_p(x, ks, torch.tensor([p.top_p for p in params]))
+        if any(p.min_p > 0 for p in params):
+            x = apply_min_p(x, torch.tensor([p.min_p for p in params]))
+        probs = torch.softmax(x, dim=-1)
+        noise = self._noise(probs.shape, [batch.generators[i] for i in rows])
+        return greedy_tokens.index_copy(0, idx, (probs / noise).argmax(dim=-1))
 
     def _noise(self, shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty(shape).exponential_(generator=self.generator)
@@ -73,3 +183,22 @@ class Sampler:
             if g is not None:
                 noise[i].exponential_(generator=g)
         return noise
+
+    @staticmethod
+    def _logprobs(lp: torch.Tensor | None, tokens: torch.Tensor, batch: SamplingBatch,
+                  want: list[bool]) -> list[TokenLogprob | None]:
+        if lp is None:
+            return [None] * len(want)
+        k = max(p.logprobs or 0 for p in batch.params)
+        chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0]))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        out: list[TokenLogprob | None] = []
+        for r, p in enumerate(batch.params):
+            if not want[r]:
+                out.append(None)
+                continue
+            n = p.logprobs or 0
+            out.append(TokenLogprob(int(tokens[r]), chosen[r],
+                                    list(zip(top_i[r][:n], top_v[r][:n]))))
+        return out

@@ -2,42 +2,127 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+MAX_N = 16
+MAX_STOP_STRINGS = 16
+
+
+def _number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value > lo if lo_open else value >= lo) and value <= hi:
+        return
+    left = "(" if lo_open else "["
+    raise ValueError(f"{name} must be a number in {left}{lo}, {hi}], got {value!r}")
+
+
+def _integer(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= lo and (
+            hi is None or value <= hi):
+        return
+    bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples its output tokens.
 
-    temperature 0 means greedy. `seed` makes a sampled request reproducible whatever
-    the batch it runs in (each seeded request owns its random generator).
+    Processing order for each sampled position (vectorized over the batch):
+      1. logit_bias is added; 2. EOS and stop_token_ids are masked until min_tokens;
+      3. repetition_penalty (HF: over prompt and output tokens) and presence /
+         frequency penalties (OpenAI: over output tokens);
+      -> `logprobs` are log_softmax of the logits at this point;
+      4. temperature (0 = greedy: argmax here), top_k, top_p, min_p; 5. sample.
+    `seed` makes a sampled request reproducible whatever batch it runs in. `stop`
+    strings end the output before the stop string, which never appears in the text.
     """
 
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # top-N alternatives per token (0: the chosen one only)
+    n: int = 1
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
+        _number("temperature", self.temperature, 0.0, 100.0)
+        _integer("top_k", self.top_k, 0)
+        _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _number("min_p", self.min_p, 0.0, 1.0)
+        _number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, -(2**63), 2**63 - 1)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _integer("n", self.n, 1, MAX_N)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean")
+        object.__setattr__(self, "logit_bias", self._bias(self.logit_bias))
+        object.__setattr__(self, "stop", self._stops(self.stop))
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ValueError("stop_token_ids must be a list of integers")
+        for t in ids:
+            _integer("stop_token_ids", t, 0)
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    @staticmethod
+    def _bias(bias: Any) -> dict[int, float]:
+        if not isinstance(bias, Mapping):
+            raise ValueError("logit_bias must map token ids to numbers")
+        out = {}
+        for k, v in bias.items():
+            try:
+                tid = int(k)  # JSON object keys arrive as strings
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias key {k!r} is not a token id") from None
+            if tid < 0:
+                raise ValueError(f"logit_bias key {k!r} is not a token id")
+            _number(f"logit_bias[{k}]", v, -100.0, 100.0)
+            out[tid] = float(v)
+        return out
+
+    @staticmethod
+    def _stops(stop: Any) -> tuple[str, ...]:
+        stops = (stop,) if isinstance(stop, str) else stop
+        if stops is None:
+            return ()
+        if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("stop must be a non-empty string or a list of them")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings")
+        return tuple(stops)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:

@@ -120,3 +120,19 @@ async def test_bad_requests_raise_before_queueing(tiny_models) -> None:
         await engine.shutdown()
     with pytest.raises(RuntimeError):
         engine.add_request([5, 6], GREEDY)
+
+
+async def test_n_samples_stream_until_all_finish(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    engine = AsyncEngine(config(path))
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=3, ignore_eos=True)
+        outs = [o async for o in engine.generate([5, 6, 7, 8, 9], params, "n3")]
+        assert outs[-1].finished and [o.finished for o in outs].count(True) == 1
+        assert {o.index for o in outs} == {0, 1, 2}
+        assert all(len(c.token_ids) == 10 for c in outs[-1].outputs)
+        per_index = {i: sum(len(o.new_token_ids) for o in outs if o.index == i) for i in range(3)}
+        assert per_index == {0: 10, 1: 10, 2: 10}
+    finally:
+        await engine.shutdown()

@@ -1,84 +1,154 @@
-"""SamplingParams validation and the sampler's greedy / top-k / top-p / seed behaviour."""
+"""Sampling: parameter validation, each logits transformation against HF transformers'
+processors (and OpenAI's penalty definition), seeds, logprobs, n > 1, min_tokens,
+logit_bias and stop tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                    RepetitionPenaltyLogitsProcessor,
+                                                    TemperatureLogitsWarper, TopKLogitsWarper,
+                                                    TopPLogitsWarper)
 
 from engine import LLM, SamplingParams
-from engine.sampler import Sampler, SamplingBatch
-from tests.conftest import random_prompts
+from engine.llm_engine import LLMEngine
+from engine.sampler import (Sampler, SamplingBatch, apply_min_p, apply_presence_frequency,
+                            apply_repetition_penalty, apply_temperature, apply_top_k_top_p)
+from tests.conftest import hf_model, random_prompts
 
 
 @pytest.mark.parametrize("kw,name", [
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(max_tokens=0), "max_tokens"),
-    (dict(seed="x"), "seed"),
+    (dict(seed="x"), "seed"), (dict(n=0), "n"), (dict(min_p=2.0), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(frequency_penalty=-2.5), "frequency_penalty"), (dict(logprobs=21), "logprobs"),
+    (dict(min_tokens=20, max_tokens=10), "min_tokens"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={5: 500}), "logit_bias"), (dict(temperature=float("nan")), "temperature"),
 ])
 def test_invalid_params_name_the_parameter(kw: dict, name: str) -> None:
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)
 
 
-def test_unknown_keys_rejected_by_name() -> None:
+def test_params_normalized_and_unknown_keys_rejected() -> None:
     with pytest.raises(ValueError, match="bogus"):
         SamplingParams.from_dict({"max_tokens": 3, "bogus": 1})
-    assert SamplingParams.from_dict({"max_tokens": 3}).max_tokens == 3
+    p = SamplingParams.from_dict({"stop": "END", "logit_bias": {"7": -3}, "stop_token_ids": [4]})
+    assert p.stop == ("END",) and p.logit_bias == {7: -3.0} and p.stop_token_ids == (4,)
 
 
-def _batch(params: list[SamplingParams], gens=None) -> SamplingBatch:
-    return SamplingBatch(params, gens or [None] * len(params))
+# -- each transformation equals HF transformers' processor -------------------------------
+
+@pytest.fixture
+def logits() -> torch.Tensor:
+    return torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
 
 
-def test_greedy_is_argmax() -> None:
-    logits = torch.randn(5, 50)
-    out = Sampler()(logits, _batch([SamplingParams(temperature=0.0)] * 5))
-    assert torch.equal(out, logits.argmax(-1))
+def test_temperature_matches_hf(logits) -> None:
+    for t in (0.3, 1.0, 1.7):
+        want = TemperatureLogitsWarper(t)(None, logits.clone())
+        assert torch.equal(apply_temperature(logits, torch.full((4,), t)), want)
 
 
-def test_top_k_and_top_p_restrict_the_support() -> None:
-    torch.manual_seed(0)
-    logits = torch.randn(1, 100)
-    top5 = set(logits[0].topk(5).indices.tolist())
-    s = Sampler(seed=1)
-    draws = {s(logits, _batch([SamplingParams(temperature=1.0, top_k=5)])).item()
-             for _ in range(300)}
-    assert draws <= top5 and len(draws) > 1
-    probs = torch.softmax(logits[0], -1)
-    order = probs.argsort(descending=True)
-    nucleus = set(order[: int((probs[order].cumsum(0) < 0.5).sum()) + 1].tolist())
-    draws = {s(logits, _batch([SamplingParams(temperature=1.0, top_p=0.5)])).item()
-             for _ in range(300)}
-    assert draws <= nucleus and len(draws) >= 1
+@pytest.mark.parametrize("k", [1, 5, 50])
+def test_top_k_matches_hf(logits, k: int) -> None:
+    want = TopKLogitsWarper(k)(None, logits.clone())
+    got = apply_top_k_top_p(logits, torch.full((4,), k), torch.ones(4))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_matches_hf(logits, p: float) -> None:
+    want = TopPLogitsWarper(p)(None, logits.clone())
+    got = apply_top_k_top_p(logits, torch.full((4,), 300), torch.full((4,), p))
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+
+
+@pytest.mark.parametrize("m", [0.01, 0.1, 0.5])
+def test_min_p_matches_hf(logits, m: float) -> None:
+    want = MinPLogitsWarper(m)(None, logits.clone())
+    assert torch.equal(torch.isinf(apply_min_p(logits, torch.full((4,), m))), torch.isinf(want))
+
+
+@pytest.mark.parametrize("pen", [0.7, 1.3, 2.0])
+def test_repetition_penalty_matches_hf(logits, pen: float) -> None:
+    seen = [[1, 2, 2, 50], [299, 0], [7], [3, 4, 5, 6, 7, 8]]
+    for row, ids in enumerate(seen):
+        want = RepetitionPenaltyLogitsProcessor(pen)(torch.tensor([ids]), logits[row:row + 1].clone())
+        got = apply_repetition_penalty(logits[row:row + 1], [ids], torch.tensor([pen]))
+        assert torch.equal(got, want)
+
+
+def test_presence_frequency_match_openai(logits) -> None:
+    outputs = [[1, 1, 1, 9], [], [5, 6], [299, 299]]
+    pres, freq = torch.tensor([0.5, 1.0, -0.5, 2.0]), torch.tensor([0.25, 0.0, 1.5, -1.0])
+    got = apply_presence_frequency(logits, outputs, pres, freq)
+    want = logits.clone()
+    for r, ids in enumerate(outputs):  # mu[j] - c[j] * a_freq - float(c[j] > 0) * a_pres
+        for tok in set(ids):
+            c = ids.count(tok)
+            want[r, tok] -= c * freq[r] + (1.0 if c > 0 else 0.0) * pres[r]
+    assert torch.allclose(got, want, atol=1e-6)
+
+
+# -- the sampler ------------------------------------------------------------------------
+
+def _batch(params: list[SamplingParams], gens=None, outputs=None) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch(params, gens or [None] * n, [[]] * n, outputs or [[]] * n,
+                         [frozenset()] * n)
+
+
+def test_greedy_is_argmax(logits) -> None:
+    out = Sampler()(logits.clone(), _batch([SamplingParams(temperature=0.0)] * 4))
+    assert out.tokens == logits.argmax(-1).tolist()
 
 
 def test_sampling_follows_the_distribution() -> None:
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     s = Sampler(seed=0)
-    counts = torch.bincount(torch.stack([s(logits, _batch([SamplingParams(temperature=1.0)]))
-                                         for _ in range(2000)]).view(-1), minlength=3)
-    freq = counts.float() / counts.sum()
+    draws = [s(logits.clone(), _batch([SamplingParams(temperature=1.0)])).tokens[0]
+             for _ in range(2000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.04)
 
 
-def test_mixed_greedy_and_sampled_rows() -> None:
-    logits = torch.randn(4, 30)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
-              SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)]
-    out = Sampler()(logits, _batch(params, [None, torch.Generator().manual_seed(1), None, None]))
-    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+def test_top_k_restricts_the_support(logits) -> None:
+    top5 = set(logits[0].topk(5).indices.tolist())
+    s = Sampler(seed=1)
+    draws = {s(logits[:1].clone(), _batch([SamplingParams(temperature=1.0, top_k=5)])).tokens[0]
+             for _ in range(300)}
+    assert draws <= top5 and len(draws) > 1
 
+
+def test_logit_bias_and_banned_stop_tokens_before_min_tokens(logits) -> None:
+    s = Sampler()
+    biased = SamplingParams(temperature=0.0, logit_bias={17: 100.0})
+    assert s(logits[:1].clone(), _batch([biased])).tokens == [17]
+    best = int(logits[0].argmax())
+    early = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[best])
+    assert s(logits[:1].clone(), _batch([early], outputs=[[1]])).tokens != [best]
+    assert s(logits[:1].clone(), _batch([early], outputs=[[1, 2, 3]])).tokens == [best]
+
+
+# -- end to end through the engine (tiny random model) ---------------------------------
 
 def test_seeded_request_same_alone_or_in_any_batch(tiny_models) -> None:
     path = tiny_models("llama", 0)
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=32)
     prompts = random_prompts(5, 5, 40, 320, seed=11)
-    seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234,
+                            ignore_eos=True)
     alone = llm.generate([prompts[0]], seeded)[0].token_ids
     others = [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True),
               SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
               SamplingParams(max_tokens=5, temperature=1.3, top_k=7, seed=9, ignore_eos=True),
-              SamplingParams(max_tokens=17, temperature=0.5, ignore_eos=True)]
+              SamplingParams(max_tokens=17, temperature=0.5, min_p=0.05, ignore_eos=True)]
     mixed = llm.generate([prompts[1], prompts[2], prompts[0], prompts[3], prompts[4]],
                          [others[0], others[1], seeded, others[2], others[3]])
     assert mixed[2].token_ids == alone
@@ -87,3 +157,60 @@ def test_seeded_request_same_alone_or_in_any_batch(tiny_models) -> None:
     other_seed = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=4321,
                                 ignore_eos=True)
     assert llm.generate([prompts[0]], other_seed)[0].token_ids != alone
+
+
+def test_logprobs_equal_log_softmax_of_model_logits(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    llm = LLM(model=str(path), dtype="float32")
+    prompt = random_prompts(1, 12, 12, 320, seed=12)[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.8, seed=3,
+                                                logprobs=5, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 6
+    with torch.inference_mode():
+        full = torch.tensor([prompt + out.token_ids])
+        lp = torch.log_softmax(hf_model(path)(full).logits[0].float(), dim=-1)
+    for i, entry in enumerate(out.logprobs):
+        row = lp[len(prompt) - 1 + i]
+        assert entry.token_id == out.token_ids[i]
+        assert entry.logprob == pytest.approx(row[entry.token_id].item(), abs=1e-4)
+        top = row.topk(5)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_n_samples_share_prompt_blocks_and_differ(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    llm = LLM(model=str(path), dtype="float32", block_size=8, debug=True)
+    eng: LLMEngine = llm.engine
+    prompt = random_prompts(1, 43, 43, 320, seed=13)[0]  # 5 full blocks + 3 tokens
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=5, n=4, ignore_eos=True)
+    eng.add(eng.make_request(prompt, params, "multi"))
+    refs = []
+    while eng.has_unfinished():
+        eng.step()
+        ids = [eng.kv.block_ids(f"multi\x00{i}") for i in range(4)]
+        if all(ids):
+            refs.append([eng.kv.pool.blocks[b].ref_cnt for b in ids[0][:5]])
+            assert all(x[:5] == ids[0][:5] for x in ids)  # one copy of the prompt's blocks
+    assert refs and refs[0] == [4] * 5
+    outs = llm.generate([prompt], params)[0].outputs
+    assert len(outs) == 4 and len({tuple(o.token_ids) for o in outs}) == 4
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
+    assert eng.kv.num_free_blocks == eng.num_blocks
+
+
+def test_min_tokens_and_stop_token_ids(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    llm = LLM(model=str(path), dtype="float32")
+    prompt = random_prompts(1, 10, 10, 320, seed=14)[0]
+    free = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0,
+                                                 ignore_eos=True))[0].token_ids
+    stop_tok = free[2]
+    first = free.index(stop_tok)
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0,
+                                                    stop_token_ids=[stop_tok]))[0]
+    assert stopped.token_ids == free[: first + 1] and stopped.finish_reason == "stop"
+    assert stopped.outputs[0].stop_reason == stop_tok
+    late = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=8,
+                                                 stop_token_ids=[stop_tok]))[0]
+    assert len(late.token_ids) >= 8 and stop_tok not in late.token_ids[:7]

@@ -1,0 +1,93 @@
+"""Incremental detokenization and stop strings on the real SmolLM2 tokenizer
+(byte-level BPE: emoji and CJK characters span several tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, LLM, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Hello, world! The sea is calm tonight.",
+    "Emoji time: 🌊🐳🎉 and a family 👨‍👩‍👧 too.",
+    "中文字符测试：潮汐与电线。日本語もあります。",
+    "Mixed: café naïve — “quotes” ✓ 😀END",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def stream(tok, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, tok.encode("User says:", add_special_tokens=False), True, stop)
+    deltas = [d.push([t]) for t in ids[:-1]] + [d.push(ids[-1:], final=True)]
+    return deltas, d
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_the_text_and_never_split_a_character(tok, text: str) -> None:
+    deltas, d = stream(tok, text)
+    assert "".join(deltas) == text == d.output_text
+    assert all("\ufffd" not in x for x in deltas)
+    assert sum(1 for x in deltas if x) > 1  # it really streams
+
+
+@pytest.mark.parametrize("text,stop,expect", [
+    ("Hello, world! The sea is calm tonight.", ("sea is",), "Hello, world! The "),
+    ("Emoji time: 🌊🐳🎉 and more", ("🐳",), "Emoji time: 🌊"),
+    ("中文字符测试：潮汐与电线。", ("潮汐",), "中文字符测试："),
+    ("a b c d e f", ("x", "d e"), "a b c "),
+    ("no stop here at all", ("zzz",), "no stop here at all"),
+])
+def test_stop_strings_across_tokens(tok, text: str, stop: tuple[str, ...], expect: str) -> None:
+    deltas, d = stream(tok, text, stop)
+    assert "".join(deltas) == expect == d.output_text
+    for s in stop:
+        assert s not in "".join(deltas)
+    assert d.stop_hit == (None if expect == text else next(s for s in stop if s in text))
+
+
+def test_text_that_may_start_a_stop_string_is_held_back(tok) -> None:
+    d = IncrementalDetokenizer(tok, [], True, ("the end",))
+    shown = d.push(tok.encode("We reached the", add_special_tokens=False))
+    assert not shown.endswith("the")  # "the" could begin "the end"
+    shown += d.push(tok.encode(" beginning", add_special_tokens=False))
+    assert shown == "We reached the beginning"  # decided: not a stop string
+
+
+def test_engine_stop_string_truncates_and_finishes(smollm2_dir) -> None:
+    llm = LLM(model="smollm2-135m", dtype="float32")
+    msgs = [{"role": "user", "content": "Write two sentences about the ocean."}]
+    free = llm.chat(msgs, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0]
+    words = free.text.split()
+    stop = " ".join(words[4:6])  # two words from the middle, spanning tokens
+    cut = llm.chat(msgs, SamplingParams(max_tokens=40, temperature=0.0, stop=[stop]))[0]
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop
+    assert stop not in cut.text and len(cut.token_ids) < len(free.token_ids)
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+
+
+async def test_streamed_deltas_equal_the_final_text(smollm2_dir) -> None:
+    engine = AsyncEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16"))
+    engine.start()
+    try:
+        ids = engine.engine.apply_chat_template(
+            [{"role": "user", "content": "Say hello in Chinese, Japanese and with an emoji."}])
+        params = SamplingParams(max_tokens=40, temperature=0.7, seed=1, stop=["\n\n"])
+        outs = [o async for o in engine.generate(ids, params, "s")]
+        text = "".join(o.delta_text for o in outs)
+        assert text == outs[-1].text and outs[-1].finished
+        assert "\n\n" not in text and "\ufffd" not in text
+        assert text == engine.tokenizer.decode(outs[-1].token_ids, skip_special_tokens=True) or \
+            outs[-1].finish_reason == "stop"
+    finally:
+        await engine.shutdown()
