@@ -52,6 +52,7 @@ class RequestStream:
                                     [CompletionOutput(i) for i in range(request.params.n)])
         self._pending: deque[StepOutput] = deque()
         self._ready = asyncio.Event()
+        self.queue_time = 0.0
         self.done_indexes: set[int] = set()  # samples whose finished output has arrived
         self.finished = False
 
@@ -77,6 +78,7 @@ class RequestStream:
             step = _merge(step, self._pending.popleft())
         o = self.output
         o.apply(step)
+        self.queue_time = step.queue_time
         self.finished = o.finished
         return RequestOutput(o.request_id, o.prompt_token_ids, o.outputs, o.finished,
                              o.num_cached_tokens, o.index, o.new_token_ids, o.delta_text, o.error)
@@ -87,7 +89,7 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
     lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
     return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta,
                       b.finished, b.finish_reason, a.index, b.num_prompt_tokens,
-                      b.num_cached_tokens, lps, b.stop_reason, b.error)
+                      b.num_cached_tokens, lps, b.stop_reason, b.error, a.queue_time)
 
 
 class AsyncEngine:

@@ -209,9 +209,10 @@ class LLMEngine:
                     self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED)
         if r.status.finished:
             self._finished(r)
+        queued = (r.first_scheduled_time or r.arrival_time) - r.arrival_time
         return StepOutput(r.parent_id, new, delta, r.status.finished, r.finish_reason, r.index,
                           r.num_prompt_tokens, max(r.num_cached_tokens, 0), logprobs,
-                          r.stop_reason)
+                          r.stop_reason, None, queued)
 
     def _finished(self, r: Request) -> None:
         self.runner.release(r.request_id)

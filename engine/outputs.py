@@ -30,6 +30,7 @@ class StepOutput:
     logprobs: list[TokenLogprob] | None = None
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     error: str | None = None
+    queue_time: float = 0.0  # seconds from arrival to first admission
 
 
 @dataclass

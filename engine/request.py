@@ -52,6 +52,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: str | int | None = None  # the stop token id or stop string that ended it
+    first_scheduled_time: float | None = None  # when the scheduler first admitted it
     # Chained hashes of this request's full blocks (block i covers tokens
     # [i*bs, (i+1)*bs)); extended by the block manager as tokens become known.
     block_hashes: list[bytes] = field(default_factory=list)

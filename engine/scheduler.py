@@ -10,6 +10,7 @@ arrival order, reusing their longest cached prefix.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -110,6 +111,7 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)

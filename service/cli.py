@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 
 from engine.loader import DEFAULT_MODEL
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name or HF directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL),
+                   help="registry name or HF directory")
+    p.add_argument("--dtype", default=_env("DTYPE", "bfloat16"),
+                   choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
     p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=int(_env("MAX_NUM_BATCHED_TOKENS", "512")))
+    p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64")))
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default="cpu")
+    p.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "cpu"))
 
 
 def _llm(a: argparse.Namespace):  # noqa: ANN202 - engine.LLM
@@ -43,6 +48,58 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"TIDEWIRE_{name}", default)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine import CacheConfig, EngineConfig, SchedulerConfig
+    from service.app import create_app
+    from service.config import Limits, ServiceConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    engine = EngineConfig(
+        model=a.model, dtype=a.dtype, attention_backend=a.attention_backend,
+        cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, not a.no_prefix_caching),
+        scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs),
+        kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)))
+    limits = Limits(max_connections=a.max_connections,
+                    max_inflight_per_connection=a.max_inflight_per_connection,
+                    max_inflight_per_key=a.max_inflight_per_key, max_queue=a.max_queue,
+                    max_message_bytes=a.max_message_bytes, idle_timeout=a.idle_timeout)
+    config = ServiceConfig(
+        engine=engine, model_name=a.served_model_name or a.model,
+        api_keys=ServiceConfig.keys_from_env(a.api_keys),
+        allowed_origins=tuple(o for o in (a.allowed_origins or "").split(",") if o),
+        limits=limits)
+    uvicorn.run(create_app(config), host=a.host, port=a.port, loop="uvloop", ws="websockets-sansio",
+                ws_max_size=a.max_message_bytes + 1024, log_level="info",
+                timeout_graceful_shutdown=int(config.shutdown_grace) + 5)
+    return 0
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    """Flags default to TIDEWIRE_<NAME> environment variables."""
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("PORT", "8000")))
+    p.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
+    p.add_argument("--kv-cache-memory-gb", type=float, default=float(_env("KV_CACHE_MEMORY_GB", "1")))
+    p.add_argument("--api-keys", default=_env("API_KEYS", ""),
+                   help="key1:tenantA,key2:tenantB (none: open, for local use)")
+    p.add_argument("--allowed-origins", default=_env("ALLOWED_ORIGINS", ""))
+    p.add_argument("--max-connections", type=int, default=int(_env("MAX_CONNECTIONS", "1024")))
+    p.add_argument("--max-inflight-per-connection", type=int,
+                   default=int(_env("MAX_INFLIGHT_PER_CONNECTION", "64")))
+    p.add_argument("--max-inflight-per-key", type=int,
+                   default=int(_env("MAX_INFLIGHT_PER_KEY", "256")))
+    p.add_argument("--max-queue", type=int, default=int(_env("MAX_QUEUE", "512")))
+    p.add_argument("--max-message-bytes", type=int,
+                   default=int(_env("MAX_MESSAGE_BYTES", str(1 << 20))))
+    p.add_argument("--idle-timeout", type=float, default=float(_env("IDLE_TIMEOUT", "300")))
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     from bench import offline
 
@@ -64,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve WebSocket + OpenAI-compatible HTTP")
+    _engine_args(sv)
+    _serve_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="benchmarks (Tidewire vs a baseline, side by side)")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -1,0 +1,82 @@
+"""The Starlette application: routes, a lifespan that owns the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+
+from engine import AsyncEngine
+from service import openai_api
+from service.config import ServiceConfig
+from service.gateway import Gateway
+from service.metrics import Metrics
+from service.ws import websocket_endpoint
+
+log = logging.getLogger("tidewire.service")
+STATIC = Path(__file__).parent / "static"
+
+
+async def health(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    ok = gw.engine.running and gw.engine.dead is None
+    return JSONResponse({"status": "ok" if ok else "engine_dead"}, status_code=200 if ok else 503)
+
+
+async def ready(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    ok = gw.engine.running and gw.accepting
+    return JSONResponse({"ready": ok, "model": gw.config.model_name},
+                        status_code=200 if ok else 503)
+
+
+async def metrics(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    gw.metrics.observe_engine(gw.engine.engine)
+    return PlainTextResponse(gw.metrics.render().decode(),
+                             media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _drain(gw: Gateway, grace: float) -> None:
+    """Stop accepting, let in-flight streams finish up to `grace` s, then close 1001."""
+    gw.accepting = False
+    deadline = asyncio.get_running_loop().time() + grace
+    while gw.inflight_total and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    for session in list(gw.sessions):
+        with contextlib.suppress(Exception):
+            await session.ws.close(code=1001, reason="server shutting down")
+
+
+def create_app(config: ServiceConfig) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine = await asyncio.to_thread(AsyncEngine, config.engine)
+        engine.start()
+        app.state.gateway = Gateway(config, engine, Metrics())
+        log.info("tidewire ready: %s", config.model_name)
+        try:
+            yield
+        finally:
+            await _drain(app.state.gateway, config.shutdown_grace)
+            await engine.shutdown()
+
+    routes = [
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        Route("/v1/models", openai_api.models),
+        Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        WebSocketRoute("/v1/ws", websocket_endpoint),
+        Mount("/", StaticFiles(directory=STATIC, html=True), name="static"),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

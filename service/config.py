@@ -1,0 +1,40 @@
+"""Service configuration: one frozen dataclass, filled from flags and TIDEWIRE_* env."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.llm_engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_connections: int = 1024
+    max_inflight_per_connection: int = 64
+    max_inflight_per_key: int = 256
+    max_queue: int = 512  # requests waiting in the engine before `overloaded`
+    max_message_bytes: int = 1 << 20
+    idle_timeout: float = 300.0  # seconds without a message or a request in flight
+    slow_consumer_timeout: float = 30.0  # a stream blocked this long on a full socket
+    send_queue: int = 256  # outbound messages buffered per socket
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model_name: str = "smollm2-135m"  # the id clients see in /v1/models and `ready`
+    api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty = open
+    allowed_origins: tuple[str, ...] = ()  # empty = any Origin
+    limits: Limits = field(default_factory=Limits)
+    shutdown_grace: float = 10.0
+
+    @staticmethod
+    def keys_from_env(value: str | None = None) -> dict[str, str]:
+        """TIDEWIRE_API_KEYS="key1:tenantA,key2:tenantB" (a key alone is its own tenant)."""
+        value = value if value is not None else os.environ.get("TIDEWIRE_API_KEYS", "")
+        keys = {}
+        for item in filter(None, (x.strip() for x in value.split(","))):
+            key, _, tenant = item.partition(":")
+            keys[key] = tenant or key
+        return keys

@@ -1,0 +1,130 @@
+"""The one path from a client request to the engine, shared by the WebSocket and the
+OpenAI-compatible endpoints: auth, tenancy, limits, prompt building, metrics."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import time
+import uuid
+from dataclasses import dataclass
+
+from engine import AsyncEngine, PromptTooLongError, SamplingParams
+from engine.async_engine import RequestStream
+from service.config import ServiceConfig
+from service.metrics import Metrics
+from service.protocol import AUTH_PREFIX, ProtocolError
+
+
+@dataclass
+class Principal:
+    """Who is calling: the API key's tenant (\"\" when the server is open)."""
+
+    key: str | None
+    tenant: str
+
+    @property
+    def salt(self) -> bytes:
+        """Seeds the prefix-cache hash chain: tenants never share cached blocks."""
+        return hashlib.sha256(b"tidewire.tenant:" + self.tenant.encode()).digest() if self.tenant else b""
+
+
+@dataclass
+class Admission:
+    stream: RequestStream
+    arrival: float
+    principal: Principal
+
+
+class Gateway:
+    def __init__(self, config: ServiceConfig, engine: AsyncEngine, metrics: Metrics) -> None:
+        self.config, self.engine, self.metrics = config, engine, metrics
+        self.inflight_total = 0
+        self.inflight_by_key: dict[str | None, int] = {}
+        self.accepting = True
+        self.sessions: set = set()  # open WebSocket sessions (service.ws.Session)
+
+    # -- auth ------------------------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None, subprotocols: list[str] = ()) -> Principal:
+        """Bearer header, or the browser subprotocol tidewire.auth.<base64url key>."""
+        keys = self.config.api_keys
+        if not keys:
+            return Principal(None, "")
+        key = None
+        if authorization and authorization.lower().startswith("bearer "):
+            key = authorization[7:].strip()
+        for sp in subprotocols:
+            if sp.startswith(AUTH_PREFIX):
+                key = _b64url(sp[len(AUTH_PREFIX):]) or key
+        if key is None or key not in keys:
+            raise ProtocolError("unauthorized", "missing or invalid API key")
+        return Principal(key, keys[key])
+
+    # -- requests --------------------------------------------------------------------------
+
+    def submit(self, principal: Principal, params: SamplingParams, request_id: str | None = None,
+               prompt: str | list[int] | None = None,
+               messages: list[dict[str, str]] | None = None) -> Admission:
+        """Admit a request or raise ProtocolError (overloaded, invalid, too long...)."""
+        lim = self.config.limits
+        if not self.accepting:
+            raise ProtocolError("overloaded", "server is shutting down", request_id)
+        if self.inflight_by_key.get(principal.key, 0) >= lim.max_inflight_per_key:
+            raise ProtocolError("too_many_inflight", "too many requests in flight for this key",
+                                request_id)
+        queued = len(self.engine.engine.scheduler.waiting)
+        if queued >= lim.max_queue:
+            raise ProtocolError("overloaded", f"{queued} requests already waiting", request_id)
+        rid = request_id or uuid.uuid4().hex
+        ids = self._prompt_ids(prompt, messages, rid)
+        try:
+            stream = self.engine.add_request(ids, params, self._engine_id(principal, rid),
+                                             principal.salt)
+        except PromptTooLongError as e:
+            raise ProtocolError("context_length_exceeded", str(e), request_id) from None
+        except ValueError as e:
+            raise ProtocolError("invalid_request", str(e), request_id) from None
+        except RuntimeError as e:
+            raise ProtocolError("internal_error", str(e), request_id) from None
+        self.inflight_total += 1
+        self.inflight_by_key[principal.key] = self.inflight_by_key.get(principal.key, 0) + 1
+        self.metrics.prompt_tokens.inc(len(stream.output.prompt_token_ids))
+        return Admission(stream, time.monotonic(), principal)
+
+    @staticmethod
+    def _engine_id(principal: Principal, rid: str) -> str:
+        """Engine-wide unique id (client ids are only unique per connection)."""
+        return f"{uuid.uuid4().hex}:{rid}"
+
+    def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
+                    rid: str) -> list[int]:
+        eng = self.engine.engine
+        try:
+            if messages is not None:
+                return eng.apply_chat_template(messages)
+            assert prompt is not None
+            return eng.tokenize(prompt)
+        except (ValueError, TypeError) as e:
+            raise ProtocolError("invalid_request", str(e), rid) from None
+        except Exception as e:  # noqa: BLE001 - a template error is the client's input
+            raise ProtocolError("invalid_request", f"cannot apply the chat template: {e}",
+                                rid) from None
+
+    def release(self, adm: Admission, finish_reason: str | None) -> None:
+        """Bookkeeping when a request ends, whatever the way."""
+        self.inflight_total -= 1
+        key = adm.principal.key
+        self.inflight_by_key[key] -= 1
+        if not self.inflight_by_key[key]:
+            del self.inflight_by_key[key]
+        self.metrics.requests.labels(finish_reason or "unknown").inc()
+        self.metrics.e2e.observe(time.monotonic() - adm.arrival)
+
+
+def _b64url(text: str) -> str | None:
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None

@@ -1,0 +1,52 @@
+"""Prometheus metrics, on a registry owned by the app (no module-level state)."""
+
+from __future__ import annotations
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("tidewire_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("tidewire_inter_token_latency_seconds", "Gap between deltas",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("tidewire_request_latency_seconds", "Arrival to done",
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("tidewire_queue_time_seconds", "Arrival to first admission",
+                               buckets=_LATENCY, registry=r)
+        self.running = Gauge("tidewire_requests_running", "Requests in the running batch",
+                             registry=r)
+        self.waiting = Gauge("tidewire_requests_waiting", "Requests waiting", registry=r)
+        self.kv_usage = Gauge("tidewire_kv_cache_usage_ratio", "Share of KV blocks in use",
+                              registry=r)
+        self.prefix_queries = Gauge("tidewire_prefix_cache_queried_tokens",
+                                    "Prompt tokens looked up", registry=r)
+        self.prefix_hits = Gauge("tidewire_prefix_cache_hit_tokens", "Prompt tokens found",
+                                 registry=r)
+        self.preemptions = Gauge("tidewire_preemptions", "Requests preempted", registry=r)
+        self.prompt_tokens = Counter("tidewire_prompt_tokens", "Prompt tokens received",
+                                     registry=r)
+        self.output_tokens = Counter("tidewire_generation_tokens", "Tokens generated",
+                                     registry=r)
+        self.requests = Counter("tidewire_requests", "Finished requests", ["finish_reason"],
+                                registry=r)
+        self.errors = Counter("tidewire_errors", "Errors sent to clients", ["code"], registry=r)
+        self.connections = Gauge("tidewire_websocket_connections", "Open sockets", registry=r)
+
+    def observe_engine(self, engine) -> None:  # noqa: ANN001 - engine.LLMEngine
+        """Gauges read from the engine when scraped (plain int reads, thread-safe enough)."""
+        s = engine.scheduler
+        self.running.set(len(s.running))
+        self.waiting.set(len(s.waiting))
+        self.kv_usage.set(engine.kv.usage)
+        self.prefix_queries.set(engine.kv.num_queries)
+        self.prefix_hits.set(engine.kv.num_hits)
+        self.preemptions.set(s.num_preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,123 @@
+"""The tidewire.v1 WebSocket protocol: codecs, message validation, error codes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from engine import SamplingParams
+
+SUBPROTOCOL_JSON = "tidewire.v1.json"
+SUBPROTOCOL_MSGPACK = "tidewire.v1.msgpack"
+AUTH_PREFIX = "tidewire.auth."
+
+ERROR_CODES = frozenset({
+    "invalid_request", "unauthorized", "model_not_found", "duplicate_id", "too_many_inflight",
+    "overloaded", "context_length_exceeded", "message_too_big", "slow_consumer",
+    "internal_error",
+})
+RETRYABLE = frozenset({"too_many_inflight", "overloaded", "slow_consumer", "internal_error"})
+MAX_ID_LEN = 128
+
+
+class ProtocolError(Exception):
+    """A client error that becomes an `error` frame; the socket stays open."""
+
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        assert code in ERROR_CODES, code
+        super().__init__(message)
+        self.code, self.message, self.request_id = code, message, request_id
+
+    def frame(self) -> dict[str, Any]:
+        f: dict[str, Any] = {"type": "error", "code": self.code, "message": self.message,
+                             "retryable": self.code in RETRYABLE}
+        if self.request_id is not None:
+            f["id"] = self.request_id
+        return f
+
+
+class Codec:
+    def __init__(self, subprotocol: str) -> None:
+        self.subprotocol = subprotocol
+        self.binary = subprotocol == SUBPROTOCOL_MSGPACK
+
+    def encode(self, msg: dict[str, Any]) -> bytes | str:
+        if self.binary:
+            return msgpack.packb(msg, use_bin_type=True)
+        return json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+
+    def decode(self, data: bytes | str) -> dict[str, Any]:
+        try:
+            msg = msgpack.unpackb(data, raw=False) if self.binary else json.loads(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+            raise ProtocolError("invalid_request", f"cannot parse message: {e}") from None
+        if not isinstance(msg, dict):
+            raise ProtocolError("invalid_request", "a message must be an object")
+        return msg
+
+
+@dataclass
+class Generate:
+    id: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    params: SamplingParams
+
+
+def request_id(msg: dict[str, Any]) -> str:
+    rid = msg.get("id")
+    if not isinstance(rid, str) or not rid or len(rid) > MAX_ID_LEN or not rid.isprintable():
+        raise ProtocolError("invalid_request",
+                            f"id must be a printable string of 1-{MAX_ID_LEN} characters")
+    return rid
+
+
+def parse_generate(msg: dict[str, Any]) -> Generate:
+    rid = request_id(msg)
+    unknown = set(msg) - {"type", "id", "messages", "prompt", "prompt_token_ids", "params",
+                          "priority"}
+    if unknown:
+        raise ProtocolError("invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}", rid)
+    given = [k for k in ("messages", "prompt", "prompt_token_ids") if k in msg]
+    if len(given) != 1:
+        raise ProtocolError("invalid_request",
+                            "give exactly one of messages, prompt, prompt_token_ids", rid)
+    params = msg.get("params", {})
+    if not isinstance(params, dict):
+        raise ProtocolError("invalid_request", "params must be an object", rid)
+    try:
+        sp = SamplingParams.from_dict(params)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError("invalid_request", str(e), rid) from None
+    return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp)
+
+
+def _prompt(msg: dict[str, Any], rid: str) -> str | list[int] | None:
+    if "prompt" in msg:
+        if not isinstance(msg["prompt"], str) or not msg["prompt"]:
+            raise ProtocolError("invalid_request", "prompt must be a non-empty string", rid)
+        return msg["prompt"]
+    if "prompt_token_ids" in msg:
+        ids = msg["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ProtocolError("invalid_request", "prompt_token_ids must be a list of integers",
+                                rid)
+        return ids
+    return None
+
+
+def _messages(msg: dict[str, Any], rid: str) -> list[dict[str, str]] | None:
+    if "messages" not in msg:
+        return None
+    msgs = msg["messages"]
+    ok = isinstance(msgs, list) and msgs and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in msgs)
+    if not ok:
+        raise ProtocolError("invalid_request",
+                            "messages must be a non-empty list of {role, content} strings", rid)
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
