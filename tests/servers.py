@@ -1,0 +1,75 @@
+"""Run the real app under uvicorn on a free port, in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import urllib.error
+import urllib.request
+
+import uvicorn
+
+from service.app import create_app
+from service.config import ServiceConfig
+
+
+def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    ws_url: str
+    app: object
+    server: uvicorn.Server
+
+    @property
+    def engine(self):  # noqa: ANN201 - engine.LLMEngine
+        return self.app.state.gateway.engine.engine
+
+    @property
+    def gateway(self):  # noqa: ANN201
+        return self.app.state.gateway
+
+
+@contextlib.contextmanager
+def run_server(config: ServiceConfig) -> Iterator[RunningServer]:
+    port = free_port()
+    app = create_app(config)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop",
+                                           ws="websockets-sansio", log_level="warning",
+                                           ws_max_size=config.limits.max_message_bytes + 1024))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if http_get(url + "/ready")[0] == 200:
+                break
+        time.sleep(0.1)
+    else:
+        server.should_exit = True
+        raise RuntimeError("server did not become ready")
+    try:
+        yield RunningServer(url, f"ws://127.0.0.1:{port}/v1/ws", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

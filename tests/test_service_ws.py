@@ -1,0 +1,239 @@
+"""The WebSocket protocol against the real app under uvicorn on a free port, with the
+`websockets` client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import msgpack
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from engine import LLM, EngineConfig, SamplingParams
+from service.config import Limits, ServiceConfig
+from tests.servers import run_server
+
+JSON, MSGPACK = "tidewire.v1.json", "tidewire.v1.msgpack"
+QUESTIONS = ["What is the capital of France?", "Name a color.", "Count to five.",
+             "Say hi in French."]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    config = ServiceConfig(engine=EngineConfig(model="smollm2-135m", dtype="float32"),
+                           limits=Limits(max_inflight_per_connection=8,
+                                         max_message_bytes=64 * 1024))
+    with run_server(config) as s:
+        yield s
+
+
+class Client:
+    """A thin test client: send dicts, receive dicts, in either subprotocol."""
+
+    def __init__(self, ws, proto: str) -> None:
+        self.ws, self.proto = ws, proto
+
+    async def send(self, msg: dict) -> None:
+        await self.ws.send(msgpack.packb(msg) if self.proto == MSGPACK else json.dumps(msg))
+
+    async def recv(self, timeout: float = 60) -> dict:
+        data = await asyncio.wait_for(self.ws.recv(), timeout)
+        return msgpack.unpackb(data) if self.proto == MSGPACK else json.loads(data)
+
+    async def until_done(self, ids: set[str]) -> list[dict]:
+        """Every message until each id has its `done`."""
+        msgs, pending = [], set(ids)
+        while pending:
+            m = await self.recv()
+            msgs.append(m)
+            if m["type"] == "done":
+                pending.discard(m["id"])
+        return msgs
+
+
+async def open_client(server, proto: str = JSON, **kw) -> tuple[object, Client]:
+    ws = await connect(server.ws_url, subprotocols=[proto], **kw)
+    c = Client(ws, proto)
+    ready = await c.recv()
+    assert ready["type"] == "ready" and ready["protocol"] == proto
+    assert ready["model"] == "smollm2-135m" and ws.subprotocol == proto
+    return ws, c
+
+
+async def wait_free(server, timeout: float = 10.0) -> None:
+    eng = server.engine
+    for _ in range(int(timeout / 0.01)):
+        if eng.kv.num_free_blocks == eng.num_blocks and not eng.has_unfinished():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("blocks were not returned to the pool")
+
+
+def gen(rid: str, q: str, **params) -> dict:
+    p = {"max_tokens": 24, "temperature": 0.0, **params}
+    return {"type": "generate", "id": rid, "messages": [{"role": "user", "content": q}],
+            "params": p}
+
+
+async def test_concurrent_generates_interleave_and_match_offline(server) -> None:
+    ws, c = await open_client(server)
+    async with ws:
+        for i, q in enumerate(QUESTIONS):
+            await c.send(gen(f"q{i}", q))
+        msgs = await c.until_done({f"q{i}" for i in range(4)})
+    by_id = {f"q{i}": [m for m in msgs if m.get("id") == f"q{i}"] for i in range(4)}
+    order = [m["id"] for m in msgs if m["type"] == "delta"]
+    assert len(set(order[:8])) > 1  # deltas of different requests interleave
+    offline = LLM(model="smollm2-135m", dtype="float32").chat(
+        [[{"role": "user", "content": q}] for q in QUESTIONS],
+        SamplingParams(max_tokens=24, temperature=0.0))
+    for i, (rid, ms) in enumerate(by_id.items()):
+        kinds = [m["type"] for m in ms]
+        assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("done") == 1
+        deltas = [m for m in ms if m["type"] == "delta"]
+        assert [d["seq"] for d in deltas] == list(range(1, len(deltas) + 1))
+        assert "".join(d["text"] for d in deltas) == offline[i].text
+        assert sum((d["token_ids"] for d in deltas), []) == offline[i].token_ids
+        done = ms[-1]
+        assert done["status"] == "completed" and done["finish_reason"] == offline[i].finish_reason
+        assert done["usage"]["completion_tokens"] == len(offline[i].token_ids)
+        assert set(done["timings"]) == {"queue_ms", "ttft_ms", "tokens_per_s", "total_ms"}
+    await wait_free(server)
+
+
+async def test_cancel_mid_stream(server) -> None:
+    ws, c = await open_client(server)
+    async with ws:
+        await c.send(gen("long", "Tell me a long story.", max_tokens=400, ignore_eos=True))
+        while (m := await c.recv())["type"] != "delta":
+            pass
+        await c.send({"type": "cancel", "id": "long"})
+        msgs = await c.until_done({"long"})
+        done = msgs[-1]
+        assert done["status"] == "cancelled" and done["finish_reason"] == "cancelled"
+        assert done["usage"]["completion_tokens"] < 400
+        await wait_free(server)
+        await c.send({"type": "ping", "t": 7})  # the socket stays usable
+        assert await c.recv() == {"type": "pong", "t": 7}
+
+
+async def test_closing_the_socket_frees_blocks_within_a_step(server) -> None:
+    ws, c = await open_client(server)
+    for i in range(3):
+        await c.send(gen(f"x{i}", "Tell me a long story.", max_tokens=400, ignore_eos=True))
+    while (m := await c.recv())["type"] != "delta":
+        pass
+    assert server.engine.has_unfinished()
+    await ws.close()
+    steps = server.engine.num_steps
+    await wait_free(server)
+    assert server.engine.num_steps - steps <= 2  # the close is seen, then one step at most
+
+
+@pytest.mark.parametrize("frame,code", [
+    ("not json", "invalid_request"),
+    ('["a list"]', "invalid_request"),
+    ('{"type": "bogus"}', "invalid_request"),
+    ('{"type": "generate", "id": "a"}', "invalid_request"),
+    ('{"type": "generate", "id": "a", "prompt": "x", "params": {"temperature": -1}}',
+     "invalid_request"),
+    ('{"type": "generate", "id": "a", "prompt": "x", "params": {"nope": 1}}', "invalid_request"),
+    ('{"type": "generate", "id": "", "prompt": "x"}', "invalid_request"),
+    ('{"type": "generate", "id": "a", "prompt_token_ids": [1, 99999999]}', "invalid_request"),
+])
+async def test_bad_frames_get_an_error_and_the_socket_stays_open(server, frame, code) -> None:
+    ws, c = await open_client(server)
+    async with ws:
+        await ws.send(frame)
+        err = await c.recv()
+        assert err["type"] == "error" and err["code"] == code and err["retryable"] is False
+        assert "temperature" in err["message"] if "temperature" in frame else True
+        await c.send(gen("ok", "Name a color.", max_tokens=4))
+        msgs = await c.until_done({"ok"})
+        assert msgs[-1]["status"] == "completed"
+
+
+async def test_duplicate_id_too_many_inflight_and_context_length(server) -> None:
+    ws, c = await open_client(server)
+    async with ws:
+        await c.send(gen("d", "Tell me a story.", max_tokens=200, ignore_eos=True))
+        await c.send(gen("d", "Again."))
+        err = await c.recv()
+        while err["type"] != "error":
+            err = await c.recv()
+        assert err["code"] == "duplicate_id" and err["id"] == "d"
+        for i in range(8):
+            await c.send(gen(f"m{i}", "Hi.", max_tokens=200, ignore_eos=True))
+        errs = []
+        while not errs:
+            m = await c.recv()
+            if m["type"] == "error":
+                errs.append(m)
+        assert errs[0]["code"] == "too_many_inflight" and errs[0]["retryable"] is True
+        for rid in ["d"] + [f"m{i}" for i in range(8)]:
+            await c.send({"type": "cancel", "id": rid})
+        await c.until_done({"d"} | {f"m{i}" for i in range(7)})
+        await c.send({"type": "generate", "id": "big", "prompt_token_ids": [5] * 8000,
+                      "params": {"max_tokens": 500}})
+        err = await c.recv()
+        assert err["code"] == "context_length_exceeded" and err["id"] == "big"
+    await wait_free(server)
+
+
+async def test_message_too_big_closes_1009(server) -> None:
+    ws, c = await open_client(server)
+    await ws.send(json.dumps({"type": "generate", "id": "x", "prompt": "a" * 70_000}))
+    with pytest.raises(ConnectionClosed) as info:
+        while True:
+            await c.recv()
+    assert info.value.rcvd.code == 1009
+
+
+async def test_msgpack_and_json_give_identical_event_sequences(server) -> None:
+    seqs = []
+    for proto in (JSON, MSGPACK):
+        ws, c = await open_client(server, proto)
+        async with ws:
+            await c.send(gen("same", "Name three fruits.", max_tokens=16))
+            msgs = await c.until_done({"same"})
+        seqs.append([(m["type"], m.get("seq"), m.get("text"), m.get("token_ids"),
+                      m.get("finish_reason")) for m in msgs])
+    assert seqs[0] == seqs[1] and len(seqs[0]) > 3
+
+
+async def test_fuzzed_frames_leave_the_server_healthy(server) -> None:
+    rng = random.Random(1234)
+    keys = ["type", "id", "prompt", "messages", "params", "prompt_token_ids", "t", "x"]
+    values = [None, 0, -1, 1.5, "", "generate", "cancel", "ping", [], {}, [1, "a"],
+              {"max_tokens": -3}, {"temperature": "hot"}, "a" * 50, [{"role": 1}], True]
+    ws, c = await open_client(server)
+    async with ws:
+        for i in range(1000):
+            kind = rng.random()
+            if kind < 0.3:
+                frame = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 40)))
+                await ws.send(frame.decode("latin-1"))
+            else:
+                msg = {rng.choice(keys): rng.choice(values) for _ in range(rng.randint(0, 5))}
+                if kind < 0.6:
+                    msg["type"] = rng.choice(["generate", "cancel", "ping", "warm", "?"])
+                if msg.get("type") == "generate":
+                    msg["params"] = {"max_tokens": 1}
+                await ws.send(json.dumps(msg))
+        await c.send({"type": "ping", "t": "after"})
+        seen = []
+        while True:
+            m = await c.recv()
+            seen.append(m)
+            if m == {"type": "pong", "t": "after"}:
+                break
+        assert all(m["type"] in {"error", "pong", "start", "delta", "done"} for m in seen)
+        assert all(m["code"] in {"invalid_request", "duplicate_id", "too_many_inflight"}
+                   for m in seen if m["type"] == "error")
+        await c.send(gen("alive", "Name a color.", max_tokens=4))
+        msgs = await c.until_done({"alive"})
+        assert msgs[-1]["status"] == "completed"
+    await wait_free(server)
