@@ -45,7 +45,7 @@ async def metrics(request: Request) -> Response:
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-async def _drain(gw: Gateway, grace: float) -> None:
+async def drain(gw: Gateway, grace: float) -> None:
     """Stop accepting, let in-flight streams finish up to `grace` s, then close 1001."""
     gw.accepting = False
     deadline = asyncio.get_running_loop().time() + grace
@@ -66,7 +66,7 @@ def create_app(config: ServiceConfig) -> Starlette:
         try:
             yield
         finally:
-            await _drain(app.state.gateway, config.shutdown_grace)
+            await drain(app.state.gateway, config.shutdown_grace)
             await engine.shutdown()
 
     routes = [

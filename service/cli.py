@@ -53,11 +53,9 @@ def _env(name: str, default: str | None = None) -> str | None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    import uvicorn
-
     from engine import CacheConfig, EngineConfig, SchedulerConfig
-    from service.app import create_app
     from service.config import Limits, ServiceConfig
+    from service.server import build_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     engine = EngineConfig(
@@ -74,9 +72,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         api_keys=ServiceConfig.keys_from_env(a.api_keys),
         allowed_origins=tuple(o for o in (a.allowed_origins or "").split(",") if o),
         limits=limits)
-    uvicorn.run(create_app(config), host=a.host, port=a.port, loop="uvloop", ws="websockets-sansio",
-                ws_max_size=a.max_message_bytes + 1024, log_level="info",
-                timeout_graceful_shutdown=int(config.shutdown_grace) + 5)
+    build_server(config, a.host, a.port).run()
     return 0
 
 

@@ -14,8 +14,8 @@ import urllib.request
 
 import uvicorn
 
-from service.app import create_app
 from service.config import ServiceConfig
+from service.server import build_server
 
 
 def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -52,10 +52,8 @@ class RunningServer:
 @contextlib.contextmanager
 def run_server(config: ServiceConfig) -> Iterator[RunningServer]:
     port = free_port()
-    app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, loop="uvloop",
-                                           ws="websockets-sansio", log_level="warning",
-                                           ws_max_size=config.limits.max_message_bytes + 1024))
+    server = build_server(config, "127.0.0.1", port, log_level="warning")
+    app = server.config.app
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -237,3 +237,32 @@ async def test_fuzzed_frames_leave_the_server_healthy(server) -> None:
         msgs = await c.until_done({"alive"})
         assert msgs[-1]["status"] == "completed"
     await wait_free(server)
+
+
+async def test_origin_allow_list_and_idle_timeout(tiny_models) -> None:
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           allowed_origins=("http://good.example",),
+                           limits=Limits(idle_timeout=0.5))
+    with run_server(config) as s:
+        with pytest.raises(Exception):
+            async with connect(s.ws_url, subprotocols=[JSON], origin="http://evil.example") as ws:
+                await ws.recv()
+        async with connect(s.ws_url, subprotocols=[JSON], origin="http://good.example") as ws:
+            assert json.loads(await ws.recv())["type"] == "ready"
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 5)  # closed for idleness, not timed out here
+
+
+async def test_graceful_shutdown_drains_then_closes_1001(smollm2_dir) -> None:
+    config = ServiceConfig(engine=EngineConfig(model="smollm2-135m"), shutdown_grace=30)
+    with run_server(config) as s:
+        ws, c = await open_client(s)
+        await c.send(gen("last", "Tell me a story.", max_tokens=40, ignore_eos=True))
+        while (await c.recv())["type"] != "delta":
+            pass
+        s.server.should_exit = True
+        msgs = await c.until_done({"last"})
+        assert msgs[-1]["status"] == "completed" and msgs[-1]["usage"]["completion_tokens"] == 40
+        with pytest.raises(ConnectionClosed) as info:
+            await c.recv()
+        assert info.value.rcvd.code == 1001
