@@ -53,6 +53,7 @@ class RequestStream:
         self._pending: deque[StepOutput] = deque()
         self._ready = asyncio.Event()
         self.queue_time = 0.0
+        self.sampled_at = 0.0
         self.done_indexes: set[int] = set()  # samples whose finished output has arrived
         self.finished = False
 
@@ -79,6 +80,7 @@ class RequestStream:
         o = self.output
         o.apply(step)
         self.queue_time = step.queue_time
+        self.sampled_at = step.sampled_at  # of the oldest token in this (merged) delta
         self.finished = o.finished
         return RequestOutput(o.request_id, o.prompt_token_ids, o.outputs, o.finished,
                              o.num_cached_tokens, o.index, o.new_token_ids, o.delta_text, o.error)
@@ -89,16 +91,21 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
     lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
     return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta,
                       b.finished, b.finish_reason, a.index, b.num_prompt_tokens,
-                      b.num_cached_tokens, lps, b.stop_reason, b.error, a.queue_time)
+                      b.num_cached_tokens, lps, b.stop_reason, b.error, a.queue_time,
+                      a.sampled_at or b.sampled_at)
 
 
 class AsyncEngine:
-    """Owns the engine thread. Create it inside a running event loop, then `start()`."""
+    """Owns the engine thread; `await start()` inside a running event loop.
+
+    Every torch op, loading included, runs on the engine thread. (With GNU OpenMP, once
+    another thread has run a parallel region its idle worker keeps spinning on a core,
+    and the engine's own parallel regions then ran 4-10x slower on this 2-core machine;
+    see the notes in engine/README.md.)"""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.engine = LLMEngine(config)
-        self.tokenizer = self.engine.tokenizer
+        self.engine: LLMEngine = None  # type: ignore[assignment]  # built by the thread
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
@@ -107,10 +114,18 @@ class AsyncEngine:
 
     # -- lifecycle ---------------------------------------------------------------------
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Start the engine thread and wait until it has loaded the model."""
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="tidewire-engine", daemon=True)
+        loaded: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(target=self._run, args=(loaded,), name="tidewire-engine",
+                                        daemon=True)
         self._thread.start()
+        await loaded
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer or None
+        return self.engine.tokenizer
 
     async def shutdown(self) -> None:
         """Abort everything still running and join the engine thread."""
@@ -166,7 +181,14 @@ class AsyncEngine:
 
     # -- the engine thread -------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, loaded: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        try:
+            self.engine = LLMEngine(self.config)
+        except BaseException as e:  # noqa: BLE001 - reported to start()'s caller
+            self._loop.call_soon_threadsafe(loaded.set_exception, e)
+            return
+        self._loop.call_soon_threadsafe(loaded.set_result, None)
         eng = self.engine
         try:
             while True:

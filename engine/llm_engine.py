@@ -183,12 +183,15 @@ class LLMEngine:
         if sched.empty:
             return []
         sampled = self.runner.execute(sched)
+        now = time.monotonic()
         touched = self.scheduler.update(sched, {k: t for k, (t, _) in sampled.items()})
         self.num_steps += 1
         outs = []
         for r in touched:
             lp = sampled[r.request_id][1]
-            outs.append(self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp]))
+            out = self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp])
+            out.sampled_at = now
+            outs.append(out)
             siblings = self._siblings.pop(r.request_id, None)
             if siblings:  # the prompt is computed and cached: the other samples may start
                 for sib in siblings:

@@ -31,6 +31,7 @@ class StepOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     error: str | None = None
     queue_time: float = 0.0  # seconds from arrival to first admission
+    sampled_at: float = 0.0  # time.monotonic() when this step's tokens were sampled
 
 
 @dataclass

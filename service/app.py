@@ -59,8 +59,8 @@ async def drain(gw: Gateway, grace: float) -> None:
 def create_app(config: ServiceConfig) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine = await asyncio.to_thread(AsyncEngine, config.engine)
-        engine.start()
+        engine = AsyncEngine(config.engine)
+        await engine.start()  # loads the model on the engine thread
         app.state.gateway = Gateway(config, engine, Metrics())
         log.info("tidewire ready: %s", config.model_name)
         try:

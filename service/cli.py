@@ -58,6 +58,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from service.server import build_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    # The engine thread gives up the GIL in every torch op and must get it back at once;
+    # the default 5 ms switch interval lets the event loop hold it that long per op.
+    sys.setswitchinterval(float(_env("SWITCH_INTERVAL", "0.0005")))
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, attention_backend=a.attention_backend,
         cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, not a.no_prefix_caching),
@@ -97,9 +100,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from bench import offline
+    from bench import offline, ws
 
-    return offline.main(a)
+    return {"offline": offline, "ws": ws}[a.bench].main(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_args(off)
     off.set_defaults(func=cmd_bench)
+    from bench import ws as ws_bench
+
+    wsb = bsub.add_parser("ws", help="64 WebSocket streams vs the engine alone, same requests")
+    ws_bench.add_args(wsb)
+    wsb.set_defaults(func=cmd_bench)
     return parser
 
 

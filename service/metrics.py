@@ -36,6 +36,11 @@ class Metrics:
         self.requests = Counter("tidewire_requests", "Finished requests", ["finish_reason"],
                                 registry=r)
         self.errors = Counter("tidewire_errors", "Errors sent to clients", ["code"], registry=r)
+        self.delivery = Histogram(
+            "tidewire_delta_delivery_seconds", "Token sampled in the engine to its delta written "
+            "to the socket", buckets=(5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3,
+                                      3e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0),
+            registry=r)
         self.connections = Gauge("tidewire_websocket_connections", "Open sockets", registry=r)
 
     def observe_engine(self, engine) -> None:  # noqa: ANN001 - engine.LLMEngine

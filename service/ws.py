@@ -28,20 +28,22 @@ class Outbox:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.items: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        # (message, time its newest token was sampled or None)
+        self.items: asyncio.Queue[tuple[dict[str, Any], float | None] | None] = asyncio.Queue()
         self._room = asyncio.Event()
         self._room.set()
 
-    async def put(self, msg: dict[str, Any], timeout: float) -> None:
+    async def put(self, msg: dict[str, Any], timeout: float,
+                  sampled_at: float | None = None) -> None:
         while self.items.qsize() >= self.limit:
             self._room.clear()
             await asyncio.wait_for(self._room.wait(), timeout)
-        self.items.put_nowait(msg)
+        self.items.put_nowait((msg, sampled_at))
 
     def force(self, msg: dict[str, Any] | None) -> None:
-        self.items.put_nowait(msg)
+        self.items.put_nowait(None if msg is None else (msg, None))
 
-    async def get(self) -> dict[str, Any] | None:
+    async def get(self) -> tuple[dict[str, Any], float | None] | None:
         msg = await self.items.get()
         if self.items.qsize() < self.limit:
             self._room.set()
@@ -77,7 +79,9 @@ class Session:
                 "max_model_len": self.gw.engine.engine.max_model_len}
 
     async def _writer(self) -> None:
-        while (msg := await self.outbox.get()) is not None:
+        delivery = self.gw.metrics.delivery
+        while (item := await self.outbox.get()) is not None:
+            msg, sampled_at = item
             data = self.codec.encode(msg)
             try:
                 if isinstance(data, bytes):
@@ -86,6 +90,8 @@ class Session:
                     await self.ws.send_text(data)
             except (WebSocketDisconnect, RuntimeError, OSError):
                 return
+            if sampled_at:
+                delivery.observe(time.monotonic() - sampled_at)
 
     async def _reader(self) -> None:
         while True:
@@ -171,7 +177,8 @@ class Session:
             track.token(len(out.new_token_ids), self.gw.metrics)
             if out.new_token_ids or out.delta_text:
                 seq += 1
-                await self.outbox.put(self._delta(rid, seq, out, with_logprobs), timeout)
+                await self.outbox.put(self._delta(rid, seq, out, with_logprobs), timeout,
+                                      adm.stream.sampled_at)
         assert out is not None
         return out
 

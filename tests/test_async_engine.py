@@ -39,7 +39,7 @@ async def test_concurrent_streams_match_offline(tiny_models) -> None:
         return original(callback, *args, **kwargs)
 
     loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-    engine.start()
+    await engine.start()
     try:
         results = await asyncio.gather(*(collect(engine, p, GREEDY, f"r{i}")
                                          for i, p in enumerate(prompts)))
@@ -59,8 +59,8 @@ async def test_concurrent_streams_match_offline(tiny_models) -> None:
 async def test_abort_frees_blocks_within_one_step(tiny_models) -> None:
     path = tiny_models("llama", 0)
     engine = AsyncEngine(config(path))
+    await engine.start()
     eng = engine.engine
-    engine.start()
     try:
         long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
         prompt = random_prompts(1, 30, 30, 320, seed=22)[0]
@@ -87,7 +87,7 @@ async def test_abort_frees_blocks_within_one_step(tiny_models) -> None:
 async def test_explicit_abort_ends_stream_with_abort(tiny_models) -> None:
     path = tiny_models("llama", 0)
     engine = AsyncEngine(config(path))
-    engine.start()
+    await engine.start()
     try:
         stream = engine.add_request([5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True),
                                     "x")
@@ -105,7 +105,7 @@ async def test_explicit_abort_ends_stream_with_abort(tiny_models) -> None:
 async def test_bad_requests_raise_before_queueing(tiny_models) -> None:
     path = tiny_models("llama", 0)
     engine = AsyncEngine(config(path, max_model_len=64))
-    engine.start()
+    await engine.start()
     try:
         with pytest.raises(ValueError, match="context window"):
             engine.add_request(list(range(3, 60)), SamplingParams(max_tokens=10))
@@ -125,7 +125,7 @@ async def test_bad_requests_raise_before_queueing(tiny_models) -> None:
 async def test_n_samples_stream_until_all_finish(tiny_models) -> None:
     path = tiny_models("llama", 0)
     engine = AsyncEngine(config(path))
-    engine.start()
+    await engine.start()
     try:
         params = SamplingParams(max_tokens=10, temperature=1.0, seed=3, n=3, ignore_eos=True)
         outs = [o async for o in engine.generate([5, 6, 7, 8, 9], params, "n3")]

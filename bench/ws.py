@@ -1,0 +1,155 @@
+"""`tidewire bench ws`: the chat-64 workload over 64 concurrent WebSocket streams to a
+`tidewire serve` process, and in the same run the engine alone (offline API) on the
+same requests. Reports socket tok/s / engine tok/s and the sampled-to-written latency of
+deltas (from the server's tidewire_delta_delivery_seconds histogram)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.offline import run_tidewire
+from bench.workloads import BenchRequest, chat64
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--protocol", default="tidewire.v1.msgpack",
+                   choices=["tidewire.v1.msgpack", "tidewire.v1.json"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "service.cli", "serve", "--model", a.model, "--dtype", a.dtype,
+           "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
+           "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for _ in range(1200):
+        try:
+            if json.loads(_get(f"http://127.0.0.1:{port}/ready"))["ready"]:
+                return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+async def _one(url: str, proto: str, rid: str, r: BenchRequest) -> int:
+    import msgpack
+    from websockets.asyncio.client import connect
+
+    enc = (lambda m: msgpack.packb(m)) if proto.endswith("msgpack") else json.dumps
+    dec = (lambda d: msgpack.unpackb(d)) if proto.endswith("msgpack") else json.loads
+    n = 0
+    async with connect(url, subprotocols=[proto], max_size=None) as ws:
+        await ws.recv()  # ready
+        await ws.send(enc({"type": "generate", "id": rid, "prompt_token_ids": r.prompt_token_ids,
+                           "params": {"max_tokens": r.max_tokens, "temperature": 0.0,
+                                      "ignore_eos": True}}))
+        while True:
+            m = dec(await ws.recv())
+            if m["type"] == "delta":
+                n += len(m["token_ids"])
+            elif m["type"] in ("done", "error"):
+                assert m["type"] == "done" and m["status"] == "completed", m
+                return n
+
+
+async def _drive(url: str, proto: str, work: list[BenchRequest]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(_one(url, proto, f"r{i}", r) for i, r in enumerate(work)))
+    dt = time.perf_counter() - t0
+    n = sum(counts)
+    assert n == sum(r.max_tokens for r in work)
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
+
+
+def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...]) -> dict[str, float]:
+    """Quantiles of a Prometheus histogram, linearly interpolated inside buckets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    buckets = []
+    for fam in text_string_to_metric_families(metrics_text):
+        for s in fam.samples:
+            if s.name == f"{name}_bucket":
+                buckets.append((float(s.labels["le"]), s.value))
+    buckets.sort()
+    total = buckets[-1][1]
+    out = {}
+    for q in qs:
+        target, lo_edge, lo_count = q * total, 0.0, 0.0
+        for edge, count in buckets:
+            if count >= target:
+                frac = (target - lo_count) / max(count - lo_count, 1e-9)
+                out[f"p{int(q * 100)}"] = lo_edge + frac * ((edge if edge != float("inf")
+                                                             else lo_edge) - lo_edge)
+                break
+            lo_edge, lo_count = edge, count
+    out["count"] = total
+    return out
+
+
+def main(a: argparse.Namespace) -> int:
+    from engine import LLM
+
+    llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
+              max_num_batched_tokens=a.max_num_batched_tokens)
+    work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
+    run_tidewire(llm, work[:4])
+    result: dict[str, Any] = {"workload": "chat-64", "dtype": a.dtype, "protocol": a.protocol}
+    result["engine"] = run_tidewire(llm, work)
+    print(f"engine alone   {result['engine']['output_tok_s']:8.1f} output tok/s")
+    del llm
+    gc.collect()
+    port = _free_port()
+    proc = _start_server(a, port)
+    try:
+        url = f"ws://127.0.0.1:{port}/v1/ws"
+        asyncio.run(_drive(url, a.protocol, work[:4]))  # warm up
+        before = histogram_quantiles(_get(f"http://127.0.0.1:{port}/metrics"),
+                                     "tidewire_delta_delivery_seconds", (0.5,))
+        result["websocket"] = asyncio.run(_drive(url, a.protocol, work))
+        metrics = _get(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lat = histogram_quantiles(metrics, "tidewire_delta_delivery_seconds", (0.5, 0.99))
+    lat["count"] -= before["count"]  # (quantiles include the 4 warm-up streams' deltas)
+    result["delivery_ms"] = {k: v * 1000 for k, v in lat.items() if k != "count"}
+    result["ratio"] = result["websocket"]["output_tok_s"] / result["engine"]["output_tok_s"]
+    print(f"websocket x{len(work)} {result['websocket']['output_tok_s']:8.1f} output tok/s")
+    print(f"ratio          {result['ratio']:8.3f}")
+    print("sampled->written delta latency: "
+          + ", ".join(f"{k}={v:.3f} ms" for k, v in result["delivery_ms"].items()))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=2))
+    return 0
