@@ -101,7 +101,7 @@ class AsyncEngine:
     Every torch op, loading included, runs on the engine thread. (With GNU OpenMP, once
     another thread has run a parallel region its idle worker keeps spinning on a core,
     and the engine's own parallel regions then ran 4-10x slower on this 2-core machine;
-    see the notes in engine/README.md.)"""
+    see README.md, "Performance notes".)"""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
