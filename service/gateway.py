@@ -93,6 +93,15 @@ class Gateway:
         self.metrics.prompt_tokens.inc(len(stream.output.prompt_token_ids))
         return Admission(stream, time.monotonic(), principal)
 
+    def queue_position(self) -> int | None:
+        """Requests ahead of a new one when it will not be admitted at once, else None.
+        (Read from the loop thread: plain length reads of the scheduler's queues.)"""
+        sched = self.engine.engine.scheduler
+        waiting = len(sched.waiting)
+        if waiting or len(sched.running) >= sched.config.max_num_seqs:
+            return waiting
+        return None
+
     @staticmethod
     def _engine_id(principal: Principal, rid: str) -> str:
         """Engine-wide unique id (client ids are only unique per connection)."""

@@ -142,7 +142,10 @@ class Session:
         if len(self.pumps) >= self.limits.max_inflight_per_connection:
             raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
                                 g.id)
+        ahead = self.gw.queue_position()
         adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, g.messages)
+        if ahead is not None:
+            self.outbox.force({"type": "queued", "id": g.id, "position": ahead})
         self.engine_ids[g.id] = adm.stream.request_id
         self.pumps[g.id] = asyncio.create_task(self._pump(g.id, adm, g.params.logprobs))
 

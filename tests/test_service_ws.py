@@ -266,3 +266,23 @@ async def test_graceful_shutdown_drains_then_closes_1001(smollm2_dir) -> None:
         with pytest.raises(ConnectionClosed) as info:
             await c.recv()
         assert info.value.rcvd.code == 1001
+
+
+async def test_queued_frame_when_the_batch_is_full(tiny_models) -> None:
+    from engine import SchedulerConfig
+
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32",
+                                               scheduler=SchedulerConfig(max_num_seqs=1)))
+    with run_server(config) as s:
+        ws, c = await open_client(s)
+        async with ws:
+            await c.send({"type": "generate", "id": "first", "prompt_token_ids": [5, 6, 7],
+                          "params": {"max_tokens": 300, "ignore_eos": True}})
+            while (await c.recv())["type"] != "start":
+                pass
+            await c.send({"type": "generate", "id": "second", "prompt_token_ids": [8, 9],
+                          "params": {"max_tokens": 3, "ignore_eos": True}})
+            msgs = await c.until_done({"first", "second"})
+        second = [m for m in msgs if m.get("id") == "second"]
+        assert second[0] == {"type": "queued", "id": "second", "position": 0}
+        assert [m["type"] for m in second][1] == "start" and second[-1]["status"] == "completed"
