@@ -277,15 +277,16 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         gw.metrics.errors.labels("unauthorized").inc()
         await ws.close(code=1008, reason="unauthorized")
         return
-    if gw.metrics.connections._value.get() >= gw.config.limits.max_connections or not gw.accepting:
+    if len(gw.sessions) >= gw.config.limits.max_connections or not gw.accepting:
+        await ws.accept()  # close codes only reach a client after the handshake
         await ws.close(code=1013, reason="overloaded")
         return
     sub = choose_subprotocol(offered) or SUBPROTOCOL_JSON
     await ws.accept(subprotocol=sub if sub in offered else None)  # never echo the auth key
+    session = Session(ws, Codec(sub), gw, principal)
+    gw.sessions.add(session)
     gw.metrics.connections.inc()
     try:
-        session = Session(ws, Codec(sub), gw, principal)
-        gw.sessions.add(session)
         await session.run()
     finally:
         gw.sessions.discard(session)

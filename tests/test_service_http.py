@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import time
 
 import openai
 import pytest
@@ -161,3 +162,37 @@ def test_overloaded_is_429_with_retry_after(tiny_models) -> None:
         with pytest.raises(openai.RateLimitError) as info:
             c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2)
         assert info.value.response.headers["retry-after"] == "1"
+
+
+def test_sse_client_disconnect_aborts_and_max_connections(tiny_models) -> None:
+    import http.client
+
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           model_name="tiny", limits=Limits(max_connections=1))
+    with run_server(config) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        body = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1000,
+                           "ignore_eos": True, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        conn.close()  # the client goes away mid-stream
+        eng = s.engine
+        for _ in range(500):
+            if not eng.has_unfinished() and eng.kv.num_free_blocks == eng.num_blocks:
+                break
+            time.sleep(0.01)
+        assert not eng.has_unfinished() and eng.kv.num_free_blocks == eng.num_blocks
+        _, metrics = http_get(s.url + "/metrics")
+        assert 'tidewire_requests_total{finish_reason="abort"} 1.0' in metrics.decode()
+
+        async def two_sockets() -> int:
+            async with connect(s.ws_url, subprotocols=["tidewire.v1.json"]) as first:
+                await first.recv()
+                async with connect(s.ws_url, subprotocols=["tidewire.v1.json"]) as second:
+                    with pytest.raises(Exception):
+                        await second.recv()
+                    return second.close_code
+
+        assert asyncio.run(two_sockets()) == 1013
