@@ -156,6 +156,8 @@ class Session:
         try:
             last = await self._stream(rid, adm, track, logprobs is not None)
             reason = last.finish_reason or "error"
+            if reason == "error":  # the engine failed this request (its thread died)
+                self._error(ProtocolError("internal_error", last.error or "engine failure", rid))
         except asyncio.TimeoutError:
             self.gw.engine.abort(adm.stream.request_id)
             self._error(ProtocolError("slow_consumer", "the client is not reading its stream", rid))

@@ -286,3 +286,62 @@ async def test_queued_frame_when_the_batch_is_full(tiny_models) -> None:
         second = [m for m in msgs if m.get("id") == "second"]
         assert second[0] == {"type": "queued", "id": "second", "position": 0}
         assert [m["type"] for m in second][1] == "start" and second[-1]["status"] == "completed"
+
+
+async def test_engine_failure_is_internal_error_and_unhealthy(tiny_models) -> None:
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"))
+    with run_server(config) as s:
+        ws, c = await open_client(s)
+        async with ws:
+            await c.send({"type": "generate", "id": "ok", "prompt_token_ids": [5, 6],
+                          "params": {"max_tokens": 400, "ignore_eos": True}})
+            while (await c.recv())["type"] != "delta":
+                pass
+
+            def broken(*args, **kwargs):
+                raise RuntimeError("simulated kernel failure")
+
+            s.engine.runner.execute = broken  # the next step raises on the engine thread
+            msgs = await c.until_done({"ok"})
+            err = [m for m in msgs if m["type"] == "error"]
+            assert err and err[0]["code"] == "internal_error" and err[0]["retryable"] is True
+            assert "simulated kernel failure" in err[0]["message"]
+            assert msgs[-1]["status"] == "failed" and msgs[-1]["finish_reason"] == "error"
+        from tests.servers import http_get
+
+        assert http_get(s.url + "/health")[0] == 503
+        ws, c = await open_client(s)
+        async with ws:  # new work is refused cleanly, not hung
+            await c.send({"type": "generate", "id": "late", "prompt_token_ids": [5]})
+            m = await c.recv()
+            assert m["type"] == "error" and m["code"] == "internal_error"
+
+
+async def test_slow_consumer_gets_an_error_and_its_request_aborted(tiny_models) -> None:
+    import socket
+
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           limits=Limits(send_queue=4, slow_consumer_timeout=0.5))
+    with run_server(config) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a reader that lags
+        sock.connect((host, int(port)))
+        async with connect(s.ws_url, sock=sock, subprotocols=[JSON], max_size=None) as ws:
+            c = Client(ws, JSON)
+            assert (await c.recv())["type"] == "ready"
+            await c.send({"type": "generate", "id": "flood", "prompt_token_ids": [5, 6, 7],
+                          "params": {"max_tokens": 1000, "ignore_eos": True, "logprobs": 20,
+                                     "n": 16, "temperature": 1.0}})
+            eng = s.engine
+            for _ in range(1000):  # stop reading until the server gives up on us
+                if eng.num_steps > 50 and not eng.has_unfinished():
+                    break
+                await asyncio.sleep(0.01)
+            assert not eng.has_unfinished() and eng.kv.num_free_blocks == eng.num_blocks
+            msgs = await c.until_done({"flood"})
+            err = [m for m in msgs if m["type"] == "error"]
+            assert err and err[0]["code"] == "slow_consumer" and err[0]["retryable"] is True
+            deltas = [m for m in msgs if m["type"] == "delta"]
+            assert [d["seq"] for d in deltas] == list(range(1, len(deltas) + 1))  # none lost
+            assert msgs[-1]["usage"]["completion_tokens"] < 16 * 1000
