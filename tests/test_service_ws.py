@@ -345,3 +345,25 @@ async def test_slow_consumer_gets_an_error_and_its_request_aborted(tiny_models) 
             deltas = [m for m in msgs if m["type"] == "delta"]
             assert [d["seq"] for d in deltas] == list(range(1, len(deltas) + 1))  # none lost
             assert msgs[-1]["usage"]["completion_tokens"] < 16 * 1000
+
+
+async def test_per_key_inflight_limit_spans_sockets(tiny_models) -> None:
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           api_keys={"k": "t"}, limits=Limits(max_inflight_per_key=1))
+    auth = {"Authorization": "Bearer k"}
+    with run_server(config) as s:
+        ws1, c1 = await open_client(s, additional_headers=auth)
+        ws2, c2 = await open_client(s, additional_headers=auth)
+        async with ws1, ws2:
+            await c1.send({"type": "generate", "id": "a", "prompt_token_ids": [5],
+                           "params": {"max_tokens": 900, "ignore_eos": True}})
+            while (await c1.recv())["type"] != "delta":
+                pass
+            await c2.send({"type": "generate", "id": "b", "prompt_token_ids": [6]})
+            err = await c2.recv()
+            assert err["code"] == "too_many_inflight" and "key" in err["message"]
+            await c1.send({"type": "cancel", "id": "a"})
+            await c1.until_done({"a"})
+            await c2.send({"type": "generate", "id": "b", "prompt_token_ids": [6],
+                           "params": {"max_tokens": 2}})
+            assert (await c2.until_done({"b"}))[-1]["status"] == "completed"
