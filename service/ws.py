@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -294,5 +293,3 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         gw.sessions.discard(session)
         gw.metrics.connections.dec()
 
-
-Handler = Callable[[WebSocket], Awaitable[None]]

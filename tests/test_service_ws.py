@@ -108,7 +108,7 @@ async def test_cancel_mid_stream(server) -> None:
     ws, c = await open_client(server)
     async with ws:
         await c.send(gen("long", "Tell me a long story.", max_tokens=400, ignore_eos=True))
-        while (m := await c.recv())["type"] != "delta":
+        while (await c.recv())["type"] != "delta":
             pass
         await c.send({"type": "cancel", "id": "long"})
         msgs = await c.until_done({"long"})
@@ -124,7 +124,7 @@ async def test_closing_the_socket_frees_blocks_within_a_step(server) -> None:
     ws, c = await open_client(server)
     for i in range(3):
         await c.send(gen(f"x{i}", "Tell me a long story.", max_tokens=400, ignore_eos=True))
-    while (m := await c.recv())["type"] != "delta":
+    while (await c.recv())["type"] != "delta":
         pass
     assert server.engine.has_unfinished()
     await ws.close()
