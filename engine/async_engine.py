@@ -218,7 +218,12 @@ class AsyncEngine:
             if isinstance(cmd, _Stop):
                 return False
             if isinstance(cmd, _Add):
-                self.engine.add(cmd.request)
+                try:
+                    self.engine.add(cmd.request)
+                except ValueError as e:  # e.g. an id still in flight: fail it, keep running
+                    r = cmd.request
+                    outs.extend(StepOutput(r.request_id, [], finished=True, finish_reason="error",
+                                           index=i, error=str(e)) for i in range(r.params.n))
             else:
                 outs.extend(self.engine.abort([cmd.request_id]))
         return True

@@ -130,7 +130,8 @@ class Sampler:
         if not batch.all_greedy:
             tokens = self._sample(logits, batch, tokens)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, self._logprobs(logprobs, tokens, batch, want_lp))
+        return SamplerOutput(token_list, self._logprobs(logprobs, tokens, token_list, batch,
+                                                        want_lp))
 
     def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Bias, min_tokens and penalties: the logits that logprobs report."""
@@ -185,8 +186,8 @@ class Sampler:
         return noise
 
     @staticmethod
-    def _logprobs(lp: torch.Tensor | None, tokens: torch.Tensor, batch: SamplingBatch,
-                  want: list[bool]) -> list[TokenLogprob | None]:
+    def _logprobs(lp: torch.Tensor | None, tokens: torch.Tensor, token_list: list[int],
+                  batch: SamplingBatch, want: list[bool]) -> list[TokenLogprob | None]:
         if lp is None:
             return [None] * len(want)
         k = max(p.logprobs or 0 for p in batch.params)
@@ -199,6 +200,6 @@ class Sampler:
                 out.append(None)
                 continue
             n = p.logprobs or 0
-            out.append(TokenLogprob(int(tokens[r]), chosen[r],
+            out.append(TokenLogprob(token_list[r], chosen[r],
                                     list(zip(top_i[r][:n], top_v[r][:n]))))
         return out

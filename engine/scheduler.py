@@ -94,9 +94,8 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        out.preempted.append(req.request_id)
-        out.scheduled = [s for s in out.scheduled if s.request is not req]
-        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)  # victims are popped from the tail, past index i,
+        self.waiting.appendleft(req)  # so none was scheduled earlier in this step
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -136,3 +136,24 @@ async def test_n_samples_stream_until_all_finish(tiny_models) -> None:
         assert per_index == {0: 10, 1: 10, 2: 10}
     finally:
         await engine.shutdown()
+
+
+async def test_a_request_the_engine_refuses_fails_alone(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    engine = AsyncEngine(config(path))
+    await engine.start()
+    try:
+        real_add = engine.engine.add
+
+        def refuse_once(req):
+            engine.engine.add = real_add
+            raise ValueError("refused")
+
+        engine.engine.add = refuse_once
+        outs = [o async for o in engine.generate([5, 6], GREEDY, "refused")]
+        assert outs[-1].finished and outs[-1].finish_reason == "error"
+        assert outs[-1].error == "refused"
+        ok = [o async for o in engine.generate([5, 6], GREEDY, "next")]  # thread still alive
+        assert ok[-1].finish_reason == "length" and engine.dead is None
+    finally:
+        await engine.shutdown()
