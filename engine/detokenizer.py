@@ -7,16 +7,72 @@ stop string is held back until the next tokens decide it.
 
 from __future__ import annotations
 
+import codecs
+import random
 from typing import Any
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside, so word-initial spaces survive
 _REPLACEMENT = "\ufffd"
+_CHECK_SAMPLE = 2048  # vocabulary entries cross-checked against tokenizer.decode
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable stand-in character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def byte_level_table(tokenizer: Any, skip_special_tokens: bool = True) -> list[bytes] | None:
+    """The raw bytes of every token id, for tokenizers whose decoder is plain ByteLevel
+    (GPT-2, SmolLM2, Qwen2, Llama 3), or None when that does not hold.
+
+    With it, detokenizing a step is a table lookup and an incremental UTF-8 decode
+    (about 1 us a token) instead of two `tokenizer.decode` calls (about 8 us). The
+    ByteLevel decoder maps each character of a token through the byte alphabet and
+    takes a token with any character outside it as its UTF-8 text, so this is exact;
+    the table is still cross-checked against `decode` on a sample of the vocabulary."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel" \
+            or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    alphabet = _byte_decoder()
+    special = set()
+    if skip_special_tokens:  # decode skips added tokens flagged special, listed or not
+        special = {i for i, a in tokenizer.added_tokens_decoder.items() if a.special}
+        special |= set(tokenizer.all_special_ids)
+    table = []
+    for i, t in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        if i in special or t is None:
+            table.append(b"")
+        elif all(c in alphabet for c in t):
+            table.append(bytes(alphabet[c] for c in t))
+        else:
+            table.append(t.encode())
+    ids = random.Random(0).sample(range(len(table)), min(_CHECK_SAMPLE, len(table)))
+    for i in [*ids, *special]:
+        want = tokenizer.decode([i], skip_special_tokens=skip_special_tokens)
+        if table[i].decode("utf-8", "replace") != want:
+            return None
+    return table
 
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
-                 skip_special_tokens: bool = True, stop: tuple[str, ...] = ()) -> None:
+                 skip_special_tokens: bool = True, stop: tuple[str, ...] = (),
+                 table: list[bytes] | None = None) -> None:
+        """`table` (from `byte_level_table`, built for the same skip_special_tokens)
+        switches to the byte-level fast path."""
         self.tok = tokenizer
+        self.table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if table else None
         self.skip = skip_special_tokens
         self.stop = stop
         self.ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -36,16 +92,23 @@ class IncrementalDetokenizer:
         if self.tok is None or self.stop_hit is not None:
             return ""
         before = len(self.text)
-        self.ids.extend(new_ids)
-        if final:
-            self._decode_all()
+        if self.table is not None:
+            self._decode_bytes(new_ids, final)
         else:
-            self._decode_new()
+            self.ids.extend(new_ids)
+            self._decode_all() if final else self._decode_new()
         if self.stop and self._find_stop(before):
             return self._take(len(self.text))
         if final:
             return self._take(len(self.text))
         return self._take(len(self.text) - self._holdback())
+
+    def _decode_bytes(self, new_ids: list[int], final: bool) -> None:
+        """An incomplete UTF-8 sequence at the end stays in the decoder until the bytes
+        that complete it arrive (or, at the end, comes out as U+FFFD, as decode does)."""
+        assert self.table is not None and self._utf8 is not None
+        t = self.table
+        self.text += self._utf8.decode(b"".join([t[i] for i in new_ids]), final)
 
     def _decode_new(self) -> None:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

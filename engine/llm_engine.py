@@ -16,7 +16,7 @@ import torch
 
 from engine.block_manager import KVCacheManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, byte_level_table
 from engine.loader import DEFAULT_MODEL, load_tokenizer, load_weights, resolve_model
 from engine.model import ModelArch
 from engine.outputs import StepOutput
@@ -74,6 +74,7 @@ class LLMEngine:
         self._children: dict[str, list[str]] = {}  # caller's id -> unfinished sample ids
         self._siblings: dict[str, list[Request]] = {}  # first sample id -> samples to start
         self._detoks: dict[str, IncrementalDetokenizer | None] = {}
+        self._byte_tables: dict[bool, list[bytes] | None] = {}  # by skip_special_tokens
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
                  config.dtype, time.monotonic() - t0, self.num_blocks, cc.block_size)
 
@@ -153,8 +154,11 @@ class LLMEngine:
     def _detokenizer(self, r: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids,
-                                      r.params.skip_special_tokens, r.params.stop)
+        skip = r.params.skip_special_tokens
+        if skip not in self._byte_tables:
+            self._byte_tables[skip] = byte_level_table(self.tokenizer, skip)
+        return IncrementalDetokenizer(self.tokenizer, r.prompt_token_ids, skip, r.params.stop,
+                                      self._byte_tables[skip])
 
     def abort(self, request_ids: list[str],
               status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[StepOutput]:

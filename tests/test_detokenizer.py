@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 
+import random
+
 import pytest
 
 from engine import AsyncEngine, EngineConfig, LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, byte_level_table
 
 TEXTS = [
     "Hello, world! The sea is calm tonight.",
@@ -24,16 +26,29 @@ def tok(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def stream(tok, text: str, stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:
+@pytest.fixture(scope="module")
+def tables(tok) -> dict[bool, list[bytes] | None]:
+    return {skip: byte_level_table(tok, skip) for skip in (True, False)}
+
+
+@pytest.fixture(params=["decode", "bytes"])
+def table(request, tables) -> list[bytes] | None:
+    """Both paths: two tokenizer.decode calls a step, and the byte-level table."""
+    return tables[True] if request.param == "bytes" else None
+
+
+def stream(tok, text: str, stop: tuple[str, ...] = (),
+           table: list[bytes] | None = None) -> tuple[list[str], IncrementalDetokenizer]:
     ids = tok.encode(text, add_special_tokens=False)
-    d = IncrementalDetokenizer(tok, tok.encode("User says:", add_special_tokens=False), True, stop)
+    d = IncrementalDetokenizer(tok, tok.encode("User says:", add_special_tokens=False), True, stop,
+                               table)
     deltas = [d.push([t]) for t in ids[:-1]] + [d.push(ids[-1:], final=True)]
     return deltas, d
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_deltas_concatenate_to_the_text_and_never_split_a_character(tok, text: str) -> None:
-    deltas, d = stream(tok, text)
+def test_deltas_concatenate_to_the_text_and_never_split_a_character(tok, table, text: str) -> None:
+    deltas, d = stream(tok, text, table=table)
     assert "".join(deltas) == text == d.output_text
     assert all("\ufffd" not in x for x in deltas)
     assert sum(1 for x in deltas if x) > 1  # it really streams
@@ -46,20 +61,46 @@ def test_deltas_concatenate_to_the_text_and_never_split_a_character(tok, text: s
     ("a b c d e f", ("x", "d e"), "a b c "),
     ("no stop here at all", ("zzz",), "no stop here at all"),
 ])
-def test_stop_strings_across_tokens(tok, text: str, stop: tuple[str, ...], expect: str) -> None:
-    deltas, d = stream(tok, text, stop)
+def test_stop_strings_across_tokens(tok, table, text: str, stop: tuple[str, ...],
+                                    expect: str) -> None:
+    deltas, d = stream(tok, text, stop, table)
     assert "".join(deltas) == expect == d.output_text
     for s in stop:
         assert s not in "".join(deltas)
     assert d.stop_hit == (None if expect == text else next(s for s in stop if s in text))
 
 
-def test_text_that_may_start_a_stop_string_is_held_back(tok) -> None:
-    d = IncrementalDetokenizer(tok, [], True, ("the end",))
+def test_text_that_may_start_a_stop_string_is_held_back(tok, table) -> None:
+    d = IncrementalDetokenizer(tok, [], True, ("the end",), table)
     shown = d.push(tok.encode("We reached the", add_special_tokens=False))
     assert not shown.endswith("the")  # "the" could begin "the end"
     shown += d.push(tok.encode(" beginning", add_special_tokens=False))
     assert shown == "We reached the beginning"  # decided: not a stop string
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_table_matches_decode_on_every_token(tok, tables, skip: bool) -> None:
+    table = tables[skip]
+    assert table is not None and len(table) == len(tok)
+    for i in range(len(tok)):
+        assert table[i].decode("utf-8", "replace") == tok.decode([i], skip_special_tokens=skip), i
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_byte_path_on_random_ids_equals_decode(tok, tables, seed: int) -> None:
+    """Random ids split characters anywhere and include special tokens; the streamed
+    text must still equal one decode of all the ids, U+FFFD placement included."""
+    rng = random.Random(seed)
+    pool = [*range(0, 20), *range(200, 260), *rng.sample(range(len(tok)), 300)]  # specials, bytes
+    ids = [rng.choice(pool) for _ in range(400)]
+    for skip in (True, False):
+        d = IncrementalDetokenizer(tok, [], skip, (), tables[skip])
+        out, i = [], 0
+        while i < len(ids):
+            n = rng.randint(1, 4)
+            out.append(d.push(ids[i:i + n], final=i + n >= len(ids)))
+            i += n
+        assert "".join(out) == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_engine_stop_string_truncates_and_finishes(smollm2_dir) -> None:
