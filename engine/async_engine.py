@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from engine.llm_engine import EngineConfig, LLMEngine
@@ -52,6 +52,9 @@ class RequestStream:
                                     [CompletionOutput(i) for i in range(request.params.n)])
         self._pending: deque[StepOutput] = deque()
         self._ready = asyncio.Event()
+        # Called (on the loop thread) instead of waking an iterator when outputs arrive;
+        # a consumer that owns many streams (a socket's writer) pulls them with take().
+        self.listener: Callable[[], None] | None = None
         self.queue_time = 0.0
         self.sampled_at = 0.0
         self.done_indexes: set[int] = set()  # samples whose finished output has arrived
@@ -60,9 +63,12 @@ class RequestStream:
     def _push(self, out: StepOutput) -> bool:
         """Queue a step's output; True once every sample has its finished output."""
         self._pending.append(out)
-        self._ready.set()
         if out.finished:
             self.done_indexes.add(out.index)
+        if self.listener is not None:
+            self.listener()
+        else:
+            self._ready.set()
         return len(self.done_indexes) == len(self.output.outputs)
 
     def __aiter__(self) -> RequestStream:
@@ -74,6 +80,15 @@ class RequestStream:
         while not self._pending:
             self._ready.clear()
             await self._ready.wait()
+        out = self.take()
+        assert out is not None
+        return out
+
+    def take(self) -> RequestOutput | None:
+        """The next delta without waiting (consecutive steps of one sample merged into
+        one), or None when nothing is pending."""
+        if not self._pending:
+            return None
         step = self._pending.popleft()
         while self._pending and self._pending[0].index == step.index and not step.finished:
             step = _merge(step, self._pending.popleft())
@@ -83,7 +98,8 @@ class RequestStream:
         self.sampled_at = step.sampled_at  # of the oldest token in this (merged) delta
         self.finished = o.finished
         return RequestOutput(o.request_id, o.prompt_token_ids, o.outputs, o.finished,
-                             o.num_cached_tokens, o.index, o.new_token_ids, o.delta_text, o.error)
+                             o.num_cached_tokens, o.index, o.new_token_ids, o.delta_text, o.error,
+                             o.num_host_cached_tokens)
 
 
 def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -92,7 +108,7 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
     return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta,
                       b.finished, b.finish_reason, a.index, b.num_prompt_tokens,
                       b.num_cached_tokens, lps, b.stop_reason, b.error, a.queue_time,
-                      a.sampled_at or b.sampled_at)
+                      a.sampled_at or b.sampled_at, b.num_host_cached_tokens)
 
 
 class AsyncEngine:
@@ -172,12 +188,17 @@ class AsyncEngine:
                 self.abort(stream.request_id)
 
     def _dispatch(self, outs: list[StepOutput]) -> None:
+        import time as _t
+        t0 = _t.monotonic()
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if stream._push(out):  # every sample has finished: no more outputs can come
                 del self._streams[out.request_id]
+        if outs and outs[0].sampled_at:
+            with open("/tmp/trace.txt", "a") as f:
+                f.write(f"{len(outs)} {(t0 - outs[0].sampled_at)*1e3:.3f} {(self._t_pub - outs[0].sampled_at)*1e3:.3f} {(_t.monotonic()-t0)*1e3:.3f}\n")
 
     # -- the engine thread -------------------------------------------------------------
 
@@ -205,6 +226,10 @@ class AsyncEngine:
             self._fail_all(repr(e))
             return
         self._publish(eng.abort(eng.request_ids()))
+        try:
+            eng.close()  # flush cached prefix blocks to the host tier
+        except Exception:  # noqa: BLE001 - shutting down regardless
+            log.exception("closing the engine failed")
 
     def _drain(self, block: bool, outs: list[StepOutput]) -> bool:
         """Apply queued commands; False once Stop arrives."""
@@ -232,6 +257,8 @@ class AsyncEngine:
         assert self._loop is not None
         if not outs:
             return
+        import time as _t
+        self._t_pub = _t.monotonic()
         try:
             self._loop.call_soon_threadsafe(self._dispatch, outs)
         except RuntimeError:  # loop closed during shutdown

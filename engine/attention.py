@@ -61,6 +61,18 @@ class AttentionBackend(ABC):
         """Store this step's k, v [num_tokens, kv_heads, head_dim] at their slots."""
 
     @abstractmethod
+    def read_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of whole blocks' K and V in the canonical layout
+        [len(block_ids), block_size, kv_heads, head_dim] (what the host tier stores,
+        whatever this backend's cache layout)."""
+
+    @abstractmethod
+    def write_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        """The inverse of read_blocks: store whole blocks given in the canonical layout."""
+
+    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: object) -> torch.Tensor:
         """Causal paged attention of q [num_tokens, heads, head_dim] over each row's
@@ -132,6 +144,17 @@ class CpuAttention(AttentionBackend):
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
+
+    def read_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [kv_heads, n, bs, d] -> [n, bs, kv_heads, d]
+        return (k_cache.index_select(1, block_ids).permute(1, 2, 0, 3),
+                v_cache.index_select(1, block_ids).permute(1, 2, 0, 3))
+
+    def write_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        k_cache[:, block_ids] = k.permute(2, 0, 1, 3)
+        v_cache[:, block_ids] = v.permute(2, 0, 1, 3)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         bs = self.block_size

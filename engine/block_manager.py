@@ -175,6 +175,12 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, on_evict)
         self.tables: dict[str, list[KVBlock]] = {}
+        # leading blocks of each table already passed to pool.cache (each step then
+        # looks only at blocks that became full, not the whole table)
+        self._published: dict[str, int] = {}
+        # When a list: (block id, hash) of each prompt block as it becomes cached, for
+        # the host tier's write-through (drained by the engine after every step).
+        self.new_prompt_blocks: list[tuple[int, bytes]] | None = None
         self.num_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_hits = 0  # of those, tokens found
 
@@ -251,14 +257,25 @@ class KVCacheManager:
         table = self.tables.get(req.request_id)
         if not table:
             return
+        num_full = req.num_computed_tokens // self.block_size
+        done = self._published.get(req.request_id, 0)
+        if num_full <= done:
+            return
         self.update_hashes(req)
-        num_full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        for i in range(num_full):
-            self.pool.cache(table[i], req.block_hashes[i])
+        num_full = min(num_full, len(req.block_hashes))
+        pool, fresh = self.pool, self.new_prompt_blocks
+        for i in range(done, num_full):
+            block, h = table[i], req.block_hashes[i]
+            pool.cache(block, h)
+            if fresh is not None and block.block_hash == h and (i + 1) * self.block_size \
+                    <= req.num_prompt_tokens and pool.cached.get(h) is block:
+                fresh.append((block.block_id, h))
+        self._published[req.request_id] = num_full
 
     def free(self, req: Request) -> None:
         """Release the request's blocks; tail first so the prefix stays cached longest."""
         table = self.tables.pop(req.request_id, None)
+        self._published.pop(req.request_id, None)
         if table:
             self.pool.free(list(reversed(table)))
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, TierConfig
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import DEFAULT_MODEL
 from engine.outputs import CompletionOutput, RequestOutput
@@ -33,16 +33,36 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         debug: bool = False,
+        kv_tier: str = "memory",
+        redis_url: str | None = None,
+        kv_tier_memory: int = 1 << 30,
+        kv_tier_write_through: bool = False,
     ) -> None:
+        """`kv_tier`: where evicted prefix blocks go — "none", "memory" (in this process)
+        or "redis" (memory in front of Redis at `redis_url`; shared by restarts and
+        replicas). Call close() (or use `with LLM(...) as llm`) to flush the cached
+        blocks to the tier at the end."""
         self.config = EngineConfig(
             model=model, dtype=dtype, attention_backend=attention_backend,
             cache=CacheConfig(block_size, num_kv_blocks or 0, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            tier=TierConfig(kv_tier, redis_url, kv_tier_memory,
+                            write_through=kv_tier_write_through),
             kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, seed=seed,
             debug=debug)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+
+    def close(self) -> None:
+        """Flush cached prefix blocks to the host tier and stop its I/O thread."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -15,9 +15,11 @@ from typing import Any
 import torch
 
 from engine.block_manager import KVCacheManager
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, SchedulerConfig, TierConfig
 from engine.detokenizer import IncrementalDetokenizer, byte_level_table
-from engine.loader import DEFAULT_MODEL, load_tokenizer, load_weights, resolve_model
+from engine.kv_offload import KVOffload, kv_fingerprint
+from engine.loader import (DEFAULT_MODEL, load_tokenizer, load_weights, resolve_model,
+                           weights_checksum)
 from engine.model import ModelArch
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus
@@ -38,6 +40,7 @@ class EngineConfig:
     attention_backend: str = "cpu"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tier: TierConfig = field(default_factory=TierConfig)
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool when cache.num_blocks == 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
@@ -66,10 +69,11 @@ class LLMEngine:
         cc = config.cache
         self.num_blocks = cc.num_blocks or self._auto_num_blocks()
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
         self.runner = ModelRunner(self.arch, load_weights(self.model_dir), self.dtype,
                                   config.attention_backend, cc.block_size, self.num_blocks,
                                   config.seed)
+        self.offload = self._make_offload()
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self.num_steps = 0
         self._children: dict[str, list[str]] = {}  # caller's id -> unfinished sample ids
         self._siblings: dict[str, list[Request]] = {}  # first sample id -> samples to start
@@ -77,6 +81,31 @@ class LLMEngine:
         self._byte_tables: dict[bool, list[bytes] | None] = {}  # by skip_special_tokens
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
                  config.dtype, time.monotonic() - t0, self.num_blocks, cc.block_size)
+
+    def _make_offload(self) -> KVOffload | None:
+        from cache_store import make_tier
+
+        tc = self.config.tier
+        if tc.kind == "none" or not self.config.cache.enable_prefix_caching:
+            return None
+        tier = make_tier(tc.kind, tc.memory_bytes, tc.redis_url, tc.ttl, tc.io_timeout)
+        assert tier is not None
+        a = self.arch
+        self.kv_fingerprint = kv_fingerprint(
+            a.model_type, weights_checksum(self.model_dir), str(self.dtype).removeprefix("torch."),
+            self.config.cache.block_size, a.num_layers, a.num_kv_heads, a.head_dim)
+        return KVOffload(tier, tc, self.kv, self.runner, self.kv_fingerprint)
+
+    def close(self, flush: bool = True) -> None:
+        """Write the cached prefix blocks to the host tier (graceful shutdown) and stop
+        its I/O worker. The engine is not used afterwards."""
+        if self.offload is not None:
+            if flush:
+                n = self.offload.flush()
+                log.info("flushed %d cached blocks to the %s tier", n, self.config.tier.kind)
+            self.offload.close()
+            self.offload = None
+            self.scheduler.tier = None
 
     def _auto_num_blocks(self) -> int:
         """As many blocks as the memory budget holds, but no more than every sequence
@@ -184,11 +213,18 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         sched = self.scheduler.schedule()
+        offload = self.offload
+        if offload is not None:
+            offload.capture()  # blocks evicted by this schedule, before the model reuses them
         if sched.empty:
+            if offload is not None and self.scheduler.loading:
+                offload.wait(0.005)  # only loads are pending: nothing to run until one lands
             return []
         sampled = self.runner.execute(sched)
         now = time.monotonic()
         touched = self.scheduler.update(sched, {k: t for k, (t, _) in sampled.items()})
+        if offload is not None and self.kv.new_prompt_blocks:
+            offload.write_through()
         self.num_steps += 1
         outs = []
         for r in touched:
@@ -217,9 +253,10 @@ class LLMEngine:
         if r.status.finished:
             self._finished(r)
         queued = (r.first_scheduled_time or r.arrival_time) - r.arrival_time
+        cached = max(r.num_cached_tokens, 0)
         return StepOutput(r.parent_id, new, delta, r.status.finished, r.finish_reason, r.index,
-                          r.num_prompt_tokens, max(r.num_cached_tokens, 0), logprobs,
-                          r.stop_reason, None, queued)
+                          r.num_prompt_tokens, cached, logprobs, r.stop_reason, None, queued,
+                          0.0, min(r.num_host_cached_tokens, cached))
 
     def _finished(self, r: Request) -> None:
         self.runner.release(r.request_id)

@@ -32,6 +32,7 @@ class StepOutput:
     error: str | None = None
     queue_time: float = 0.0  # seconds from arrival to first admission
     sampled_at: float = 0.0  # time.monotonic() when this step's tokens were sampled
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
 
 
 @dataclass
@@ -65,6 +66,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     delta_text: str = ""
     error: str | None = None
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
 
     @property
     def token_ids(self) -> list[int]:
@@ -90,5 +92,7 @@ class RequestOutput:
         self.index, self.new_token_ids, self.delta_text = (step.index, step.new_token_ids,
                                                            step.text_delta)
         self.num_cached_tokens = max(self.num_cached_tokens, step.num_cached_tokens)
+        self.num_host_cached_tokens = max(self.num_host_cached_tokens,
+                                          step.num_host_cached_tokens)
         self.error = step.error or self.error
         self.finished = all(o.finished for o in self.outputs)

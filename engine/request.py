@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # its prefix blocks are being fetched from the host tier
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -50,6 +51,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at admission
+    num_host_cached_tokens: int = 0  # of those, tokens loaded from the host tier
+    tier_checked: bool = False  # the host tier was asked about this admission's prefix
     num_preemptions: int = 0
     stop_reason: str | int | None = None  # the stop token id or stop string that ended it
     first_scheduled_time: float | None = None  # when the scheduler first admitted it

@@ -30,6 +30,7 @@ class ModelRunner:
         attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
                                     dtype)
         self.block_size = block_size
+        self.attn = attn
         self.model = LlamaModel(arch, weights, dtype, attn)
         shape = attn.cache_shape(num_blocks)
         self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
@@ -48,6 +49,29 @@ class ModelRunner:
             return {}
         res = self.sampler(logits, inputs.sampling)
         return dict(zip(inputs.sample_ids, zip(res.tokens, res.logprobs)))
+
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of every layer's K and V: [layers, 2, block_size, kv_heads, head_dim]."""
+        a = self.attn
+        return (len(self.kv_caches), 2, a.block_size, a.num_kv_heads, a.head_dim)
+
+    @torch.inference_mode()
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copies of whole blocks: [n, layers, 2, block_size, kv_heads, head_dim]."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        out = torch.empty((len(block_ids), *self.block_shape()), dtype=self.kv_caches[0][0].dtype)
+        for layer, (kc, vc) in enumerate(self.kv_caches):
+            k, v = self.attn.read_blocks(kc, vc, idx)
+            out[:, layer, 0] = k
+            out[:, layer, 1] = v
+        return out
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Store whole blocks given as read_blocks returns them."""
+        idx = torch.tensor(block_ids, dtype=torch.long)
+        for layer, (kc, vc) in enumerate(self.kv_caches):
+            self.attn.write_blocks(kc, vc, idx, data[:, layer, 0], data[:, layer, 1])
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

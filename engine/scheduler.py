@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.block_manager import KVCacheManager
 from engine.config import SchedulerConfig
@@ -44,12 +45,30 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class TierLoader(Protocol):
+    """Fetches prefix blocks from the host tier into the device prefix cache."""
+
+    def start(self, req: Request, num_device_blocks: int) -> bool:
+        """Begin loading the request's full blocks after its first `num_device_blocks`
+        (found on the device); False when there is nothing worth fetching."""
+
+    def poll(self) -> list[Request]:
+        """Requests whose load has ended (loaded, failed or timed out); what arrived is
+        now in the device prefix cache."""
+
+    def cancel(self, req: Request) -> None:
+        """Forget a load (its request was aborted)."""
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 tier: TierLoader | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.tier = tier
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: dict[str, Request] = {}  # LOADING: not schedulable until poll() says
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._watermark = int(config.watermark * kv.pool.num_blocks)
@@ -61,10 +80,12 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.loading:
+            self._end_loads()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
@@ -88,8 +109,17 @@ class Scheduler:
                 i += 1
         return budget
 
+    def _end_loads(self) -> None:
+        """Loaded requests go back to the head of the queue, oldest first."""
+        assert self.tier is not None
+        back = [r for r in self.tier.poll() if self.loading.pop(r.request_id, None) is not None]
+        for req in sorted(back, key=lambda r: r.arrival_time, reverse=True):
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req)
+        req.tier_checked = False  # its blocks may reach the tier before it is readmitted
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -101,6 +131,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_cached = self.kv.get_computed_blocks(req)
+            if self.tier is not None and not req.tier_checked:
+                req.tier_checked = True
+                if self.tier.start(req, len(hits)):  # the rest of the batch keeps going
+                    self.waiting.popleft()
+                    req.status = RequestStatus.LOADING
+                    self.loading[req.request_id] = req
+                    continue
             n = min(req.num_tokens - num_cached, budget)
             # The watermark keeps room for running requests to grow; with none running
             # it would only stop a request that fits from ever starting.
@@ -148,6 +185,10 @@ class Scheduler:
                 continue
             if req.status is RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status is RequestStatus.LOADING:
+                del self.loading[rid]
+                assert self.tier is not None
+                self.tier.cancel(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, status, remove_running=False)

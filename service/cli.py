@@ -74,7 +74,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         engine=engine, model_name=a.served_model_name or a.model,
         api_keys=ServiceConfig.keys_from_env(a.api_keys),
         allowed_origins=tuple(o for o in (a.allowed_origins or "").split(",") if o),
-        limits=limits)
+        limits=limits, ws_compression=a.ws_compression)
     build_server(config, a.host, a.port).run()
     return 0
 
@@ -97,6 +97,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int,
                    default=int(_env("MAX_MESSAGE_BYTES", str(1 << 20))))
     p.add_argument("--idle-timeout", type=float, default=float(_env("IDLE_TIMEOUT", "300")))
+    p.add_argument("--ws-compression", action="store_true",
+                   default=_env("WS_COMPRESSION", "0") not in ("0", "", "false"),
+                   help="offer permessage-deflate (off: it costs ~50 us a frame for deltas "
+                        "of a few dozen bytes)")
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

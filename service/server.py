@@ -29,5 +29,6 @@ def build_server(config: ServiceConfig, host: str, port: int,
     app = create_app(config)
     uv = uvicorn.Config(app, host=host, port=port, loop="uvloop", ws="websockets-sansio",
                         ws_max_size=config.limits.max_message_bytes + 1024, log_level=log_level,
+                        ws_per_message_deflate=config.ws_compression,
                         timeout_graceful_shutdown=int(config.shutdown_grace) + 5)
     return TidewireServer(uv, config.shutdown_grace)

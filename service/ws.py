@@ -1,6 +1,12 @@
-"""WS /v1/ws: one session per socket, a reader task and a writer task, one pump task
-per request in flight. Deltas are merged under backpressure (the engine's stream
-merges what a blocked pump has not taken yet), never dropped."""
+"""WS /v1/ws: one session per socket with a reader task and a writer task.
+
+The engine's per-step dispatch (on the loop thread) calls each stream's listener, which
+only queues the request's id for the socket's writer: one task wake-up per socket per
+step, whatever the number of streams on it. The writer pulls each stream's pending
+output (steps that queued up while it was blocked on a full socket are merged into one
+delta, never dropped), builds the frames, encodes and sends them. The send queue holds
+control frames and at most one "pull" marker per request, so it stays small; a writer
+blocked on one send past the slow-consumer timeout gets its requests aborted."""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -19,57 +27,52 @@ from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, Prot
 
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
 STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
+_CLOSE = object()  # send-queue sentinel: the writer stops
 
 
-class Outbox:
-    """Bounded per-socket send queue. Request pumps wait for room (so their streams
-    merge deltas meanwhile); control frames (errors, pongs, done) always go in."""
+@dataclass(eq=False)
+class _Live:
+    """A request in flight on this socket."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        # (message, time its newest token was sampled or None)
-        self.items: asyncio.Queue[tuple[dict[str, Any], float | None] | None] = asyncio.Queue()
-        self._room = asyncio.Event()
-        self._room.set()
-
-    async def put(self, msg: dict[str, Any], timeout: float,
-                  sampled_at: float | None = None) -> None:
-        while self.items.qsize() >= self.limit:
-            self._room.clear()
-            await asyncio.wait_for(self._room.wait(), timeout)
-        self.items.put_nowait((msg, sampled_at))
-
-    def force(self, msg: dict[str, Any] | None) -> None:
-        self.items.put_nowait(None if msg is None else (msg, None))
-
-    async def get(self) -> tuple[dict[str, Any], float | None] | None:
-        msg = await self.items.get()
-        if self.items.qsize() < self.limit:
-            self._room.set()
-        return msg
+    rid: str
+    adm: Admission
+    logprobs: bool
+    track: Timings
+    seq: int = 0
+    started: bool = False
+    queued: bool = False  # a pull marker for it is in the send queue
+    failure: ProtocolError | None = None  # reported before its done (slow_consumer)
+    last: RequestOutput | None = None
 
 
 class Session:
     def __init__(self, ws: WebSocket, codec: Codec, gateway: Gateway, principal: Principal) -> None:
         self.ws, self.codec, self.gw, self.principal = ws, codec, gateway, principal
         self.limits = gateway.config.limits
-        self.outbox = Outbox(self.limits.send_queue)
-        self.pumps: dict[str, asyncio.Task[None]] = {}
-        self.engine_ids: dict[str, str] = {}
+        self.live: dict[str, _Live] = {}
+        # frames (dicts), _Live markers (pull that stream now), or _CLOSE; in send order
+        self.sendq: deque[Any] = deque()
+        self._wake = asyncio.Event()
+        self._drained = asyncio.Event()  # the reader waits on it while sendq is over limit
+        self._drained.set()
+        self._sending_since: float | None = None
         self.session_id = uuid.uuid4().hex
 
     async def run(self) -> None:
-        writer = asyncio.create_task(self._writer())
-        self.outbox.force({"type": "ready", "session_id": self.session_id,
-                           "protocol": self.codec.subprotocol, "model": self.gw.config.model_name,
-                           "limits": self._limits()})
+        tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._watchdog())]
+        self._frame({"type": "ready", "session_id": self.session_id,
+                     "protocol": self.codec.subprotocol, "model": self.gw.config.model_name,
+                     "limits": self._limits()})
         try:
             await self._reader()
         finally:
-            await self._close_all()
-            self.outbox.force(None)
-            with contextlib.suppress(Exception):
-                await writer
+            self._close_all()
+            self.sendq.append(_CLOSE)
+            self._wake.set()
+            tasks[1].cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
 
     def _limits(self) -> dict[str, Any]:
         lim = self.limits
@@ -77,23 +80,116 @@ class Session:
                 "max_message_bytes": lim.max_message_bytes,
                 "max_model_len": self.gw.engine.engine.max_model_len}
 
+    # -- the send side ---------------------------------------------------------------------
+
+    def _frame(self, msg: dict[str, Any]) -> None:
+        self.sendq.append(msg)
+        self._wake.set()
+        if len(self.sendq) > self.limits.send_queue:
+            self._drained.clear()  # stop reading this client until it reads its frames
+
+    def _notify(self, live: _Live) -> None:
+        """A stream has output (called from the engine's dispatch, on the loop thread)."""
+        if not live.queued:
+            live.queued = True
+            self.sendq.append(live)
+            self._wake.set()
+
     async def _writer(self) -> None:
-        delivery = self.gw.metrics.delivery
-        while (item := await self.outbox.get()) is not None:
-            msg, sampled_at = item
-            data = self.codec.encode(msg)
-            try:
-                if isinstance(data, bytes):
-                    await self.ws.send_bytes(data)
-                else:
-                    await self.ws.send_text(data)
-            except (WebSocketDisconnect, RuntimeError, OSError):
+        q, wake = self.sendq, self._wake
+        while True:
+            while not q:
+                wake.clear()
+                await wake.wait()
+            item = q.popleft()
+            if item is _CLOSE:
                 return
-            if sampled_at:
-                delivery.observe(time.monotonic() - sampled_at)
+            if not self._drained.is_set() and len(q) <= self.limits.send_queue // 2:
+                self._drained.set()
+            if isinstance(item, _Live):
+                for msg in self._pull(item):
+                    if not await self._send(msg, item.adm.stream.sampled_at
+                                            if msg["type"] == "delta" else None):
+                        return
+            elif not await self._send(item, None):
+                return
+
+    async def _send(self, msg: dict[str, Any], sampled_at: float | None) -> bool:
+        data = self.codec.encode(msg)
+        self._sending_since = time.monotonic()
+        try:
+            if isinstance(data, bytes):
+                await self.ws.send_bytes(data)
+            else:
+                await self.ws.send_text(data)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            return False  # gone: the reader sees the disconnect and aborts everything
+        finally:
+            self._sending_since = None
+        if sampled_at:
+            self.gw.metrics.delivery.observe(time.monotonic() - sampled_at)
+        return True
+
+    async def _watchdog(self) -> None:
+        """A send blocked past the timeout means the client is not reading: abort its
+        requests (their frames, with a slow_consumer error, go out if it ever reads)."""
+        timeout = self.limits.slow_consumer_timeout
+        while True:
+            await asyncio.sleep(min(timeout / 4, 1.0))
+            since = self._sending_since
+            if since is not None and time.monotonic() - since > timeout:
+                for live in self.live.values():
+                    if live.failure is None:
+                        live.failure = ProtocolError(
+                            "slow_consumer", "the client is not reading its stream", live.rid)
+                        self.gw.engine.abort(live.adm.stream.request_id)
+
+    def _pull(self, live: _Live) -> list[dict[str, Any]]:
+        """Frames for everything the stream has produced since the last pull."""
+        live.queued = False
+        stream, frames = live.adm.stream, []
+        while (out := stream.take()) is not None:
+            live.last = out
+            if not live.started:
+                live.started = True
+                frames.append(self._start(live.rid, out, stream.queue_time))
+            live.track.token(len(out.new_token_ids), self.gw.metrics)
+            if out.new_token_ids or out.delta_text:
+                live.seq += 1
+                frames.append(self._delta(live.rid, live.seq, out, live.logprobs))
+        if stream.finished:
+            frames += self._finish(live)
+        return frames
+
+    def _finish(self, live: _Live) -> list[dict[str, Any]]:
+        last = live.last
+        reason = (last.finish_reason if last else None) or "error"
+        frames = []
+        if live.failure is not None:
+            reason = "error"
+            frames.append(self._failed(live.failure))
+        elif reason == "error":  # the engine failed this request (its thread died)
+            frames.append(self._failed(ProtocolError(
+                "internal_error", (last.error if last else None) or "engine failure", live.rid)))
+        self._forget(live, reason)
+        frames.append(self._done(live.rid, live.adm, last, reason, live.track))
+        return frames
+
+    def _failed(self, e: ProtocolError) -> dict[str, Any]:
+        self.gw.metrics.errors.labels(e.code).inc()
+        return e.frame()
+
+    def _forget(self, live: _Live, reason: str) -> None:
+        live.adm.stream.listener = None
+        if self.live.pop(live.rid, None) is not None:
+            self.gw.release(live.adm, reason)
+
+    # -- the receive side --------------------------------------------------------------------
 
     async def _reader(self) -> None:
         while True:
+            if not self._drained.is_set():
+                await self._drained.wait()
             try:
                 m = await asyncio.wait_for(self.ws.receive(), self._idle_timeout())
             except asyncio.TimeoutError:
@@ -114,77 +210,48 @@ class Session:
                 self._error(e)
 
     def _idle_timeout(self) -> float | None:
-        return None if self.pumps else self.limits.idle_timeout
+        return None if self.live else self.limits.idle_timeout
 
     def _error(self, e: ProtocolError) -> None:
-        self.gw.metrics.errors.labels(e.code).inc()
-        self.outbox.force(e.frame())
+        self._frame(self._failed(e))
 
     def _handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
         if kind == "generate":
             self._generate(msg)
         elif kind == "cancel":
-            rid = request_id(msg)
-            if rid in self.engine_ids:
-                self.gw.engine.abort(self.engine_ids[rid])
+            live = self.live.get(request_id(msg))
+            if live is not None:
+                self.gw.engine.abort(live.adm.stream.request_id)
         elif kind == "ping":
-            self.outbox.force({"type": "pong", "t": msg.get("t")})
+            self._frame({"type": "pong", "t": msg.get("t")})
         else:
             raise ProtocolError("invalid_request", f"unknown message type {kind!r}",
                                 msg.get("id") if isinstance(msg.get("id"), str) else None)
 
     def _generate(self, msg: dict[str, Any]) -> None:
         g = parse_generate(msg)
-        if g.id in self.pumps:
+        if g.id in self.live:
             raise ProtocolError("duplicate_id", f"request {g.id!r} is already in flight", g.id)
-        if len(self.pumps) >= self.limits.max_inflight_per_connection:
+        if len(self.live) >= self.limits.max_inflight_per_connection:
             raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
                                 g.id)
         ahead = self.gw.queue_position()
         adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, g.messages)
         if ahead is not None:
-            self.outbox.force({"type": "queued", "id": g.id, "position": ahead})
-        self.engine_ids[g.id] = adm.stream.request_id
-        self.pumps[g.id] = asyncio.create_task(self._pump(g.id, adm, g.params.logprobs))
+            self._frame({"type": "queued", "id": g.id, "position": ahead})
+        live = _Live(g.id, adm, g.params.logprobs is not None, Timings(adm.arrival))
+        self.live[g.id] = live
+        # No output can have arrived yet: dispatch runs on this (the loop) thread.
+        adm.stream.listener = lambda: self._notify(live)
 
-    async def _pump(self, rid: str, adm: Admission, logprobs: int | None) -> None:
-        track = Timings(adm.arrival)
-        last: RequestOutput | None = None
-        reason = "error"
-        try:
-            last = await self._stream(rid, adm, track, logprobs is not None)
-            reason = last.finish_reason or "error"
-            if reason == "error":  # the engine failed this request (its thread died)
-                self._error(ProtocolError("internal_error", last.error or "engine failure", rid))
-        except asyncio.TimeoutError:
-            self.gw.engine.abort(adm.stream.request_id)
-            self._error(ProtocolError("slow_consumer", "the client is not reading its stream", rid))
-        except asyncio.CancelledError:
-            self.gw.engine.abort(adm.stream.request_id)
-            reason = "abort"
-            raise
-        finally:
-            self.pumps.pop(rid, None)
-            self.engine_ids.pop(rid, None)
-            self.gw.release(adm, reason)
-            self.outbox.force(self._done(rid, adm, last, reason, track))
+    def _close_all(self) -> None:
+        """The client left: abort everything it had in flight (blocks free next step)."""
+        for live in list(self.live.values()):
+            self.gw.engine.abort(live.adm.stream.request_id)
+            self._forget(live, "abort")
 
-    async def _stream(self, rid: str, adm: Admission, track: Timings,
-                      with_logprobs: bool) -> RequestOutput:
-        out = None
-        seq = 0
-        timeout = self.limits.slow_consumer_timeout
-        async for out in adm.stream:
-            if track.first is None:
-                await self.outbox.put(self._start(rid, out, adm.stream.queue_time), timeout)
-            track.token(len(out.new_token_ids), self.gw.metrics)
-            if out.new_token_ids or out.delta_text:
-                seq += 1
-                await self.outbox.put(self._delta(rid, seq, out, with_logprobs), timeout,
-                                      adm.stream.sampled_at)
-        assert out is not None
-        return out
+    # -- frames ----------------------------------------------------------------------------
 
     @staticmethod
     def _start(rid: str, out: RequestOutput, queue_time: float) -> dict[str, Any]:
@@ -221,16 +288,6 @@ class Session:
             done["finish_reasons"] = [FINISH.get(o.finish_reason or "error", "error")
                                       for o in last.outputs]
         return done
-
-    async def _close_all(self) -> None:
-        """The client left: abort everything it had in flight (blocks free next step)."""
-        tasks = list(self.pumps.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-
 
 class Timings:
     def __init__(self, arrival: float) -> None:

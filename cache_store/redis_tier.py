@@ -1,0 +1,143 @@
+"""The Redis tier: prefix blocks shared across restarts and replicas.
+
+A dedicated I/O thread (the engine's cache worker) calls it with redis-py's blocking
+client: one pipelined round trip per lookup, per load and per batch of writes. Every
+Redis failure is a miss or a dropped write, counted; after `threshold` failures in a
+row the circuit breaker opens and the tier is skipped for `cooldown` seconds, then one
+trial call decides whether it closes again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cache_store.base import KVTier
+
+T = TypeVar("T")
+
+
+class CircuitBreaker:
+    """closed -> open after `threshold` consecutive failures -> half-open after
+    `cooldown` seconds (one trial call) -> closed on success, open again on failure."""
+
+    def __init__(self, threshold: int = 3, cooldown: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.threshold, self.cooldown, self.clock = threshold, cooldown, clock
+        self.failures = 0
+        self.opened_at: float | None = None
+        self.trips = 0  # times it opened
+        self._trial = False
+        self._lock = threading.Lock()
+
+    @property
+    def state(self) -> str:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if self.clock() - self.opened_at >= self.cooldown else "open"
+
+    def allow(self) -> bool:
+        with self._lock:
+            if self.opened_at is None:
+                return True
+            if self.clock() - self.opened_at < self.cooldown or self._trial:
+                return False
+            self._trial = True  # exactly one caller tries
+            return True
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures, self.opened_at, self._trial = 0, None, False
+
+    def failure(self) -> None:
+        with self._lock:
+            self.failures += 1
+            if self._trial or self.failures >= self.threshold:
+                if self.opened_at is None or self._trial:
+                    self.trips += 1
+                self.opened_at, self._trial = self.clock(), False
+
+
+class RedisTier(KVTier):
+    """Blocks in Redis as `SET key value EX ttl NX`; a hit refreshes the TTL (GETEX).
+
+    Configure the server with `maxmemory` and `maxmemory-policy allkeys-lru`: Redis,
+    not this client, decides what is forgotten."""
+
+    name = "redis"
+
+    def __init__(self, url: str, ttl: int = 24 * 3600, timeout: float = 1.0,
+                 breaker: CircuitBreaker | None = None) -> None:
+        super().__init__()
+        self.url, self.ttl = url, ttl
+        self.breaker = breaker or CircuitBreaker()
+        # No client-side retries: a failure is a miss now; the breaker decides when to retry.
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout,
+                                            socket_connect_timeout=timeout,
+                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+    def _call(self, fn: Callable[[], T], default: T) -> T:
+        if not self.breaker.allow():
+            return default
+        try:
+            out = fn()
+        except (redis.RedisError, OSError):
+            self.stats.add(errors=1)
+            self.breaker.failure()
+            return default
+        self.breaker.success()
+        return out
+
+    def _pipeline(self, build: Callable[[redis.client.Pipeline], None]) -> Callable[[], list]:
+        def run() -> list:
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe)
+            return pipe.execute()
+        return run
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        self.stats.add(lookups=len(keys))
+        if not keys:
+            return 0
+        found = self._call(self._pipeline(lambda p: [p.exists(k) for k in keys]), [])
+        n = 0
+        for hit in found:
+            if not hit:
+                break
+            n += 1
+        return n
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        vals = self._call(self._pipeline(lambda p: [p.getex(k, ex=self.ttl) for k in keys]),
+                          [None] * len(keys))
+        got = [v for v in vals if v is not None]
+        self.stats.add(hits=len(got), misses=len(keys) - len(got),
+                       bytes_read=sum(len(v) for v in got))
+        return list(vals)
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        if not items:
+            return 0
+        res = self._call(self._pipeline(
+            lambda p: [p.set(k, v, ex=self.ttl, nx=True) for k, v in items]), [])
+        stored = [len(v) for (_, v), ok in zip(items, res) if ok]
+        self.stats.add(puts=len(stored), bytes_written=sum(stored))
+        return len(stored)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._call(lambda: self._client.delete(*keys), 0)
+
+    def state(self) -> str:
+        return "ok" if self.breaker.state == "closed" else f"breaker_{self.breaker.state}"
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,67 @@
+"""Tiers stacked fastest first (memory in front of redis)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cache_store.base import KVTier
+
+
+class TierStack(KVTier):
+    """Reads try each tier in order and copy what a slower tier served into the faster
+    ones; writes go to every tier (the memory tier for reuse in this process, Redis for
+    restarts and other replicas)."""
+
+    name = "stack"
+
+    def __init__(self, tiers: Sequence[KVTier]) -> None:
+        super().__init__()
+        if not tiers:
+            raise ValueError("a stack needs at least one tier")
+        self.tiers = list(tiers)
+        self.local = all(t.local for t in self.tiers)
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """Contiguous run of keys each present in some tier (blocks of one prefix may
+        be split between tiers: some still in memory, older ones only in Redis)."""
+        pos = 0
+        while pos < len(keys):
+            before = pos
+            for t in self.tiers:
+                pos += t.lookup(keys[pos:])
+                if pos == len(keys):
+                    break
+            if pos == before:
+                break
+        return pos
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for level, t in enumerate(self.tiers):
+            if not todo:
+                break
+            vals = t.get_many([keys[i] for i in todo])
+            found = [(i, v) for i, v in zip(todo, vals) if v is not None]
+            for i, v in found:
+                out[i] = v
+            if level and found:  # promote into the faster tiers
+                for faster in self.tiers[:level]:
+                    faster.put_many([(keys[i], v) for i, v in found])
+            todo = [i for i, v in zip(todo, vals) if v is None]
+        return out
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        return max(t.put_many(items) for t in self.tiers)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for t in self.tiers:
+            t.delete(keys)
+
+    def state(self) -> str:
+        bad = [f"{t.name}:{t.state()}" for t in self.tiers if t.state() != "ok"]
+        return ",".join(bad) or "ok"
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
