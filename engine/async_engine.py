@@ -188,17 +188,12 @@ class AsyncEngine:
                 self.abort(stream.request_id)
 
     def _dispatch(self, outs: list[StepOutput]) -> None:
-        import time as _t
-        t0 = _t.monotonic()
         for out in outs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             if stream._push(out):  # every sample has finished: no more outputs can come
                 del self._streams[out.request_id]
-        if outs and outs[0].sampled_at:
-            with open("/tmp/trace.txt", "a") as f:
-                f.write(f"{len(outs)} {(t0 - outs[0].sampled_at)*1e3:.3f} {(self._t_pub - outs[0].sampled_at)*1e3:.3f} {(_t.monotonic()-t0)*1e3:.3f}\n")
 
     # -- the engine thread -------------------------------------------------------------
 
@@ -257,8 +252,6 @@ class AsyncEngine:
         assert self._loop is not None
         if not outs:
             return
-        import time as _t
-        self._t_pub = _t.monotonic()
         try:
             self._loop.call_soon_threadsafe(self._dispatch, outs)
         except RuntimeError:  # loop closed during shutdown

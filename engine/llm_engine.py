@@ -133,10 +133,14 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.arch.vocab_size})")
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation; without the generation prompt it is the prefix
+        that the next turn's prompt starts with (what `warm` caches)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        out = self.tokenizer.apply_chat_template(messages,
+                                                 add_generation_prompt=add_generation_prompt,
                                                  tokenize=True, return_dict=False)
         return list(out["input_ids"] if isinstance(out, dict) else out)
 

@@ -76,6 +76,7 @@ def create_app(config: ServiceConfig) -> Starlette:
         Route("/v1/models", openai_api.models),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
+        Route("/v1/warm", openai_api.warm, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
         Mount("/", StaticFiles(directory=STATIC, html=True), name="static"),
     ]

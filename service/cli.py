@@ -22,15 +22,34 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64")))
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "cpu"))
+    p.add_argument("--kv-tier", default=_env("KV_TIER", "memory"),
+                   choices=["memory", "redis", "none"],
+                   help="host tier for evicted prefix blocks (redis: memory in front of Redis)")
+    p.add_argument("--redis-url", default=_env("REDIS_URL"), help="redis://host:port/db")
+    p.add_argument("--kv-tier-memory-gb", type=float,
+                   default=float(_env("KV_TIER_MEMORY_GB", "1")))
+    p.add_argument("--kv-tier-ttl", type=int, default=int(_env("KV_TIER_TTL", str(24 * 3600))))
+    p.add_argument("--kv-tier-write-through", action="store_true",
+                   default=_env("KV_TIER_WRITE_THROUGH", "0") not in ("0", "", "false"),
+                   help="also write prompt blocks as they fill (prefix sharing across replicas)")
+
+
+def _tier(a: argparse.Namespace):  # noqa: ANN202 - engine.TierConfig
+    from engine import TierConfig
+
+    return TierConfig(a.kv_tier, a.redis_url, int(a.kv_tier_memory_gb * (1 << 30)),
+                      a.kv_tier_ttl, a.kv_tier_write_through)
 
 
 def _llm(a: argparse.Namespace):  # noqa: ANN202 - engine.LLM
     from engine import LLM
 
+    t = _tier(a)
     return LLM(model=a.model, dtype=a.dtype, block_size=a.block_size,
                num_kv_blocks=a.num_kv_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
                max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
-               attention_backend=a.attention_backend)
+               attention_backend=a.attention_backend, kv_tier=t.kind, redis_url=t.redis_url,
+               kv_tier_memory=t.memory_bytes, kv_tier_write_through=t.write_through)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -45,6 +64,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         outs = llm.generate(list(a.prompts), params)
     for o in outs:
         print(o.text if len(outs) == 1 else f"--- [{o.finish_reason}]\n{o.text}")
+    llm.close()  # flush cached prefix blocks to the host tier (a later run reuses them)
     return 0
 
 
@@ -64,7 +84,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, attention_backend=a.attention_backend,
         cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, not a.no_prefix_caching),
-        scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs),
+        scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs), tier=_tier(a),
         kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)))
     limits = Limits(max_connections=a.max_connections,
                     max_inflight_per_connection=a.max_inflight_per_connection,

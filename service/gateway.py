@@ -9,6 +9,7 @@ import hashlib
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from engine import AsyncEngine, PromptTooLongError, SamplingParams
 from engine.async_engine import RequestStream
@@ -66,7 +67,7 @@ class Gateway:
 
     def submit(self, principal: Principal, params: SamplingParams, request_id: str | None = None,
                prompt: str | list[int] | None = None,
-               messages: list[dict[str, str]] | None = None) -> Admission:
+               messages: list[dict[str, str]] | None = None, warm: bool = False) -> Admission:
         """Admit a request or raise ProtocolError (overloaded, invalid, too long...)."""
         lim = self.config.limits
         if not self.accepting:
@@ -78,7 +79,7 @@ class Gateway:
         if queued >= lim.max_queue:
             raise ProtocolError("overloaded", f"{queued} requests already waiting", request_id)
         rid = request_id or uuid.uuid4().hex
-        ids = self._prompt_ids(prompt, messages, rid)
+        ids = self._prompt_ids(prompt, messages, rid, not warm)
         try:
             stream = self.engine.add_request(ids, params, self._engine_id(principal, rid),
                                              principal.salt)
@@ -107,12 +108,38 @@ class Gateway:
         """Engine-wide unique id (client ids are only unique per connection)."""
         return f"{uuid.uuid4().hex}:{rid}"
 
+    async def warm(self, principal: Principal, request_id: str | None,
+                   prompt: str | list[int] | None,
+                   messages: list[dict[str, str]] | None) -> dict[str, Any]:
+        """Prefill a prefix into the cache without generating (one throwaway token is
+        sampled). Messages are rendered without the generation prompt: that rendering
+        is the prefix the next turn's prompt starts with."""
+        adm = self.submit(principal, SamplingParams(max_tokens=1, temperature=0.0), request_id,
+                          prompt, messages, warm=True)
+        last = None
+        try:
+            async for last in adm.stream:
+                pass
+        finally:
+            if not adm.stream.finished:
+                self.engine.abort(adm.stream.request_id)
+            self.release(adm, last.finish_reason if last else "abort")
+        if last is None or last.finish_reason == "error":
+            raise ProtocolError("internal_error", "warming the prefix failed", request_id)
+        eng = self.engine.engine
+        n = len(last.prompt_token_ids)
+        bs = eng.config.cache.block_size
+        return {"prompt_tokens": n,
+                "cached_tokens": n // bs * bs if eng.config.cache.enable_prefix_caching else 0,
+                "reused_tokens": {"device": last.num_cached_tokens - last.num_host_cached_tokens,
+                                  "host": last.num_host_cached_tokens}}
+
     def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
-                    rid: str) -> list[int]:
+                    rid: str, generation_prompt: bool = True) -> list[int]:
         eng = self.engine.engine
         try:
             if messages is not None:
-                return eng.apply_chat_template(messages)
+                return eng.apply_chat_template(messages, generation_prompt)
             assert prompt is not None
             return eng.tokenize(prompt)
         except (ValueError, TypeError) as e:

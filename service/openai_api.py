@@ -113,6 +113,23 @@ async def _complete(request: Request, chat: bool) -> Response:
     return await _whole(gw, adm, meta, chat)
 
 
+async def warm(request: Request) -> Response:
+    """POST /v1/warm {messages | prompt}: prefill that prefix into the cache without
+    generating; answers {prompt_tokens, cached_tokens, reused_tokens{device, host}}."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        principal = gw.authenticate(request.headers.get("authorization"))
+        body = await _body(request)
+        extra = sorted(set(body) - {"messages", "prompt", "model"})
+        if extra:
+            raise ProtocolError("invalid_request", f"unknown parameter(s): {', '.join(extra)}")
+        prompt, messages = _inputs(body, chat="messages" in body)
+        return JSONResponse(await gw.warm(principal, None, prompt, messages))
+    except ProtocolError as e:
+        gw.metrics.errors.labels(e.code).inc()
+        return error_response(e)
+
+
 def _inputs(body: dict[str, Any], chat: bool) -> tuple[Any, Any]:
     if chat:
         msgs = body.get("messages")

@@ -95,6 +95,25 @@ def parse_generate(msg: dict[str, Any]) -> Generate:
     return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp)
 
 
+@dataclass
+class Warm:
+    id: str | None
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+
+
+def parse_warm(msg: dict[str, Any]) -> Warm:
+    """`warm {id?, messages | prompt | prompt_token_ids}`."""
+    rid = request_id(msg) if "id" in msg else None
+    unknown = set(msg) - {"type", "id", "messages", "prompt", "prompt_token_ids"}
+    if unknown:
+        raise ProtocolError("invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}", rid)
+    if len([k for k in ("messages", "prompt", "prompt_token_ids") if k in msg]) != 1:
+        raise ProtocolError("invalid_request",
+                            "give exactly one of messages, prompt, prompt_token_ids", rid)
+    return Warm(rid, _prompt(msg, rid or ""), _messages(msg, rid or ""))
+
+
 def _prompt(msg: dict[str, Any], rid: str) -> str | list[int] | None:
     if "prompt" in msg:
         if not isinstance(msg["prompt"], str) or not msg["prompt"]:

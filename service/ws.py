@@ -23,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.outputs import RequestOutput
 from service.gateway import Admission, Gateway, Principal
 from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, ProtocolError,
-                              parse_generate, request_id)
+                              parse_generate, parse_warm, request_id)
 
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
 STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
@@ -56,6 +56,7 @@ class Session:
         self._drained = asyncio.Event()  # the reader waits on it while sendq is over limit
         self._drained.set()
         self._sending_since: float | None = None
+        self.warms: set[asyncio.Task[None]] = set()
         self.session_id = uuid.uuid4().hex
 
     async def run(self) -> None:
@@ -225,6 +226,8 @@ class Session:
                 self.gw.engine.abort(live.adm.stream.request_id)
         elif kind == "ping":
             self._frame({"type": "pong", "t": msg.get("t")})
+        elif kind == "warm":
+            self._warm(msg)
         else:
             raise ProtocolError("invalid_request", f"unknown message type {kind!r}",
                                 msg.get("id") if isinstance(msg.get("id"), str) else None)
@@ -245,8 +248,28 @@ class Session:
         # No output can have arrived yet: dispatch runs on this (the loop) thread.
         adm.stream.listener = lambda: self._notify(live)
 
+    def _warm(self, msg: dict[str, Any]) -> None:
+        w = parse_warm(msg)
+        if len(self.live) + len(self.warms) >= self.limits.max_inflight_per_connection:
+            raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
+                                w.id)
+        task = asyncio.create_task(self._run_warm(w.id, w.prompt, w.messages))
+        self.warms.add(task)
+        task.add_done_callback(self.warms.discard)
+
+    async def _run_warm(self, rid: str | None, prompt: str | list[int] | None,
+                        messages: list[dict[str, str]] | None) -> None:
+        try:
+            res = await self.gw.warm(self.principal, rid, prompt, messages)
+        except ProtocolError as e:
+            self._error(e)
+            return
+        self._frame({"type": "warmed", "id": rid, **res})
+
     def _close_all(self) -> None:
         """The client left: abort everything it had in flight (blocks free next step)."""
+        for t in self.warms:
+            t.cancel()
         for live in list(self.live.values()):
             self.gw.engine.abort(live.adm.stream.request_id)
             self._forget(live, "abort")
@@ -256,8 +279,7 @@ class Session:
     @staticmethod
     def _start(rid: str, out: RequestOutput, queue_time: float) -> dict[str, Any]:
         return {"type": "start", "id": rid, "prompt_tokens": len(out.prompt_token_ids),
-                "cached_tokens": {"device": out.num_cached_tokens, "host": 0},
-                "queue_ms": round(queue_time * 1000, 3)}
+                "cached_tokens": cached_tokens(out), "queue_ms": round(queue_time * 1000, 3)}
 
     @staticmethod
     def _delta(rid: str, seq: int, out: RequestOutput, with_logprobs: bool) -> dict[str, Any]:
@@ -281,13 +303,22 @@ class Session:
             "finish_reason": FINISH.get(reason, "error"),
             "usage": {"prompt_tokens": len(adm.stream.output.prompt_token_ids),
                       "completion_tokens": completion,
-                      "cached_tokens": last.num_cached_tokens if last else 0},
+                      "cached_tokens": cached_tokens(last)},
             "timings": track.summary(completion, adm.stream.queue_time),
         }
         if last and len(last.outputs) > 1:
             done["finish_reasons"] = [FINISH.get(o.finish_reason or "error", "error")
                                       for o in last.outputs]
         return done
+
+def cached_tokens(out: RequestOutput | None) -> dict[str, int]:
+    """Prompt tokens whose KV was reused: found on the device, or loaded from the host
+    tier (memory / Redis)."""
+    if out is None:
+        return {"device": 0, "host": 0}
+    host = out.num_host_cached_tokens
+    return {"device": out.num_cached_tokens - host, "host": host}
+
 
 class Timings:
     def __init__(self, arrival: float) -> None:
