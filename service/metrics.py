@@ -42,6 +42,19 @@ class Metrics:
                                       3e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0),
             registry=r)
         self.connections = Gauge("tidewire_websocket_connections", "Open sockets", registry=r)
+        # Host tier (cache_store): cumulative counts read from the engine when scraped.
+        self.tier_ops = Gauge("tidewire_kv_tier_ops", "Host tier activity by tier: lookups, "
+                              "hits, misses, puts, errors", ["tier", "op"], registry=r)
+        self.tier_bytes = Gauge("tidewire_kv_tier_bytes", "Bytes moved per tier",
+                                ["tier", "direction"], registry=r)
+        self.tier_loads = Gauge("tidewire_kv_tier_loads", "Engine-side tier traffic: loads, "
+                                "load_blocks, load_timeouts, corrupt, written_blocks, "
+                                "dropped_writes", ["what"], registry=r)
+        self.tier_load_seconds = Gauge("tidewire_kv_tier_load_seconds",
+                                       "Time the I/O worker spent on loads (sum)", registry=r)
+        self.tier_breaker_open = Gauge("tidewire_kv_tier_breaker_open",
+                                       "1 while a tier's circuit breaker is not closed",
+                                       ["tier"], registry=r)
 
     def observe_engine(self, engine) -> None:  # noqa: ANN001 - engine.LLMEngine
         """Gauges read from the engine when scraped (plain int reads, thread-safe enough)."""
@@ -52,6 +65,23 @@ class Metrics:
         self.prefix_queries.set(engine.kv.num_queries)
         self.prefix_hits.set(engine.kv.num_hits)
         self.preemptions.set(s.num_preemptions)
+        if engine.offload is not None:
+            self._observe_tier(engine.offload)
+
+    def _observe_tier(self, offload) -> None:  # noqa: ANN001 - engine.kv_offload.KVOffload
+        st = vars(offload.stats)
+        for what in ("loads", "load_blocks", "load_timeouts", "corrupt", "written_blocks",
+                     "dropped_writes"):
+            self.tier_loads.labels(what).set(st[what])
+        self.tier_load_seconds.set(st["load_seconds"])
+        tiers = getattr(offload.tier, "tiers", [offload.tier])
+        for t in tiers:
+            c = t.stats.as_dict()
+            for op in ("lookups", "hits", "misses", "puts", "errors"):
+                self.tier_ops.labels(t.name, op).set(c[op])
+            self.tier_bytes.labels(t.name, "read").set(c["bytes_read"])
+            self.tier_bytes.labels(t.name, "written").set(c["bytes_written"])
+            self.tier_breaker_open.labels(t.name).set(0 if t.state() == "ok" else 1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

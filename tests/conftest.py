@@ -90,3 +90,15 @@ def smollm2_dir() -> Path:
     from engine.loader import resolve_model
 
     return resolve_model("smollm2-135m")
+
+
+@pytest.fixture()
+def redis_server():
+    """A fresh real redis-server on a free port, stopped afterwards."""
+    from tests.servers import RedisServer
+
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -71,3 +71,53 @@ def run_server(config: ServiceConfig) -> Iterator[RunningServer]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+class RedisServer:
+    """A real redis-server on a free port (no persistence, LRU under a memory cap, as
+    compose.yaml configures it). stop() and start() again keep the port."""
+
+    def __init__(self, maxmemory: str = "256mb") -> None:
+        import shutil
+
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed: run `make install`")
+        self.exe, self.maxmemory = exe, maxmemory
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> RedisServer:
+        import subprocess
+
+        import redis
+
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--maxmemory", self.maxmemory,
+             "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        client.close()
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def client(self):  # noqa: ANN201 - redis.Redis
+        import redis
+
+        return redis.Redis.from_url(self.url)

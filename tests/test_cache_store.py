@@ -1,0 +1,177 @@
+"""cache_store on its own: the memory LRU, the block codec, the circuit breaker, the
+Redis tier against a real redis-server (TTL, NX, faults) and the stack."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+
+from cache_store import (CircuitBreaker, CorruptValue, MemoryTier, RedisTier, TierStack,
+                         decode_block, encode_block, make_tier)
+from tests.servers import RedisServer, free_port
+
+FP = hashlib.sha256(b"model").digest()
+H = [hashlib.sha256(bytes([i])).digest() for i in range(8)]
+SHAPE = (2, 2, 4, 1, 8)  # layers, k/v, block size, kv heads, head dim
+PAYLOAD = os.urandom(2 * 2 * 4 * 1 * 8 * 2)  # bfloat16
+
+
+def value(i: int = 0, payload: bytes = PAYLOAD) -> bytes:
+    return encode_block(FP, H[i], "bfloat16", SHAPE, payload)
+
+
+def decode(v: bytes, i: int = 0) -> bytes:
+    return bytes(decode_block(v, FP, H[i], "bfloat16", SHAPE, 2))
+
+
+# -- memory ------------------------------------------------------------------------------
+
+
+def test_memory_tier_is_a_byte_budgeted_lru() -> None:
+    t = MemoryTier(capacity_bytes=300)
+    assert t.put_many([("a", b"x" * 100), ("b", b"y" * 100), ("c", b"z" * 100)]) == 3
+    assert t.lookup(["a", "b", "c", "d"]) == 3 and t.used == 300
+    assert t.get_many(["a"]) == [b"x" * 100]  # a is now the most recent
+    t.put_many([("d", b"w" * 100)])  # evicts b, the least recently used
+    assert t.get_many(["a", "b", "c", "d"]) == [b"x" * 100, None, b"z" * 100, b"w" * 100]
+    assert t.lookup(["a", "b", "c"]) == 1  # contiguous from the first key
+    assert t.put_many([("big", b"q" * 301)]) == 0 and t.used == 300  # never over budget
+    t.delete(["a", "zzz"])
+    assert t.used == 200 and len(t) == 2
+    s = t.stats.as_dict()
+    assert s["hits"] == 4 and s["misses"] == 1 and s["bytes_read"] == 400 and s["puts"] == 4
+
+
+# -- codec -------------------------------------------------------------------------------
+
+
+def test_codec_round_trip() -> None:
+    assert decode(value()) == PAYLOAD
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_payload", "flip_header", "extra_byte",
+                                    "empty"])
+def test_codec_rejects_damaged_values(damage: str) -> None:
+    v = bytearray(value())
+    if damage == "truncate":
+        v = v[:-7]
+    elif damage == "flip_payload":
+        v[-3] ^= 0x10
+    elif damage == "flip_header":
+        v[30] ^= 0x01  # inside the shape
+    elif damage == "extra_byte":
+        v += b"\0"
+    else:
+        v = bytearray()
+    with pytest.raises(CorruptValue):
+        decode(bytes(v))
+
+
+def test_codec_rejects_another_block_model_dtype_or_shape() -> None:
+    v = value(0)
+    with pytest.raises(CorruptValue):
+        decode(v, i=1)  # stored under another chain hash
+    with pytest.raises(CorruptValue):
+        decode_block(v, hashlib.sha256(b"other").digest(), H[0], "bfloat16", SHAPE, 2)
+    with pytest.raises(CorruptValue):
+        decode_block(v, FP, H[0], "float16", SHAPE, 2)
+    with pytest.raises(CorruptValue):
+        decode_block(v, FP, H[0], "bfloat16", (2, 2, 4, 2, 4), 2)
+
+
+# -- breaker -----------------------------------------------------------------------------
+
+
+def test_circuit_breaker_opens_then_tries_once_then_closes() -> None:
+    now = [0.0]
+    b = CircuitBreaker(threshold=2, cooldown=5.0, clock=lambda: now[0])
+    b.failure()
+    assert b.state == "closed" and b.allow()
+    b.failure()
+    assert b.state == "open" and not b.allow() and b.trips == 1
+    now[0] = 5.0
+    assert b.state == "half_open" and b.allow() and not b.allow()  # one trial at a time
+    b.failure()  # the trial failed: open again for a full cooldown
+    assert b.state == "open" and b.trips == 2
+    now[0] = 10.0
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.allow() and b.failures == 0
+
+
+# -- redis -------------------------------------------------------------------------------
+
+
+def test_redis_tier_stores_with_ttl_nx_and_refreshes_on_hits(redis_server) -> None:
+    t = RedisTier(redis_server.url, ttl=100)
+    r = redis_server.client()
+    assert t.put_many([("k0", b"a"), ("k1", b"b")]) == 2
+    assert t.put_many([("k0", b"changed")]) == 0  # NX: a key's value never changes
+    assert 95 < r.ttl("k0") <= 100
+    r.expire("k0", 10)
+    assert t.lookup(["k0", "k1", "k2", "k0"]) == 2
+    assert t.get_many(["k0", "k2", "k1"]) == [b"a", None, b"b"]
+    assert r.ttl("k0") > 95  # the hit refreshed it
+    t.delete(["k0"])
+    assert t.lookup(["k0", "k1"]) == 0
+    s = t.stats.as_dict()
+    assert s["hits"] == 2 and s["misses"] == 1 and s["puts"] == 2 and s["errors"] == 0
+    t.close()
+
+
+def test_redis_down_is_a_miss_counted_and_the_breaker_recovers() -> None:
+    server = RedisServer()  # not started yet: nothing listens on its port
+    t = RedisTier(server.url, timeout=0.3, breaker=CircuitBreaker(threshold=2, cooldown=0.3))
+    assert t.lookup(["a", "b"]) == 0
+    assert t.get_many(["a"]) == [None]
+    assert t.stats.errors == 2 and t.state() == "breaker_open"
+    assert t.put_many([("a", b"1")]) == 0 and t.stats.errors == 2  # skipped while open
+    server.start()
+    try:
+        time.sleep(0.35)  # cooldown over: the next call is the trial
+        assert t.put_many([("a", b"1")]) == 1 and t.state() == "ok"
+        assert t.get_many(["a"]) == [b"1"]
+        server.stop()  # dies while in use
+        assert t.get_many(["a"]) == [None] and t.stats.errors == 3
+    finally:
+        server.stop()
+        t.close()
+
+
+def test_redis_tier_on_a_port_that_never_answers_fails_fast() -> None:
+    t = RedisTier(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)
+    t0 = time.monotonic()
+    assert t.lookup(["x"]) == 0 and t.get_many(["x"]) == [None] and t.put_many([("x", b"")]) == 0
+    assert time.monotonic() - t0 < 2.0
+    assert t.stats.errors == 3 and t.state() == "breaker_open"
+
+
+# -- stack -------------------------------------------------------------------------------
+
+
+def test_stack_reads_through_and_promotes_into_memory(redis_server) -> None:
+    mem, red = MemoryTier(1 << 20), RedisTier(redis_server.url)
+    stack = TierStack([mem, red])
+    assert stack.local is False
+    red.put_many([("k0", b"0"), ("k1", b"1"), ("k3", b"3")])
+    mem.put_many([("k2", b"2")])
+    assert stack.lookup(["k0", "k1", "k2", "k3", "k4"]) == 4  # prefix split between tiers
+    assert stack.get_many(["k0", "k2", "k4"]) == [b"0", b"2", None]
+    assert mem.get_many(["k0"]) == [b"0"]  # promoted
+    assert stack.put_many([("k5", b"5")]) == 1
+    assert red.get_many(["k5"]) == [b"5"] and mem.get_many(["k5"]) == [b"5"]
+    stack.close()
+
+
+def test_make_tier_kinds(redis_server) -> None:
+    assert make_tier("none") is None
+    assert isinstance(make_tier("memory", 10), MemoryTier)
+    stack = make_tier("redis", 10, redis_server.url)
+    assert isinstance(stack, TierStack) and [t.name for t in stack.tiers] == ["memory", "redis"]
+    with pytest.raises(ValueError, match="redis_url"):
+        make_tier("redis")
+    with pytest.raises(ValueError, match="unknown"):
+        make_tier("disk")

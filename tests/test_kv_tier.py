@@ -1,0 +1,366 @@
+"""The host tier end to end: greedy outputs stay exact with the tier off, on a device
+hit, after a restart (Redis), from a second process (write-through), and under every
+fault; keys are stable across processes; nothing leaks over 1,000 requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cache_store import RedisTier
+from engine import LLM, SamplingParams
+from engine.block_manager import hash_block, root_hash
+from engine.kv_offload import kv_fingerprint, tier_key
+from tests.conftest import hf_greedy
+
+ROOT = Path(__file__).resolve().parents[1]
+BS = 8
+MAX_TOKENS = 6
+
+
+def prompts(seed: int, n: int = 4, prefix_len: int = 40) -> list[list[int]]:
+    """n prompts sharing a prefix of `prefix_len` tokens (5 full blocks), then apart."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 320) for _ in range(prefix_len)]
+    return [prefix + [rng.randrange(3, 320) for _ in range(rng.randint(3, 12))]
+            for _ in range(n)]
+
+
+def make_llm(path: Path, **kw) -> LLM:
+    kw = {"num_kv_blocks": 96, "debug": True, **kw}
+    return LLM(model=str(path), dtype="float32", block_size=BS, max_num_batched_tokens=64, **kw)
+
+
+def run(llm: LLM, ps: list[list[int]], salt: bytes = b"") -> tuple[list[list[int]], list[int]]:
+    """Greedy outputs and the host-cached prompt tokens of each request (all at once)."""
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ids = [f"q{time.monotonic_ns()}-{i}" for i in range(len(ps))]
+    for rid, p in zip(ids, ps):
+        eng.add(eng.make_request(p, sp, rid, salt))
+    toks: dict[str, list[int]] = {rid: [] for rid in ids}
+    host: dict[str, int] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks[o.request_id] += o.new_token_ids
+            host[o.request_id] = o.num_host_cached_tokens
+    assert eng.kv.num_free_blocks == eng.num_blocks  # nothing held after the run
+    return [toks[r] for r in ids], [host[r] for r in ids]
+
+
+def redis_keys(redis_server) -> list[bytes]:
+    return redis_server.client().keys("tw:kv:v1:*")
+
+
+_SECOND = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from tests.test_kv_tier import make_llm, run
+    llm = make_llm(sys.argv[2], kv_tier="redis", redis_url=sys.argv[3])
+    toks, host = run(llm, json.loads(sys.argv[4]))
+    print(json.dumps({"tokens": toks, "host": host}))
+    llm.close()
+""")
+
+
+def second_process(path: Path, url: str, ps: list[list[int]]) -> dict:
+    """Another engine process (another replica) on the same Redis."""
+    out = subprocess.run([sys.executable, "-c", _SECOND, str(ROOT), str(path), url,
+                          json.dumps(ps)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONHASHSEED": "4242"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_greedy_identical_off_device_hit_restart_and_second_process(tiny_models,
+                                                                     redis_server) -> None:
+    path = tiny_models("llama", 0)
+    ps = prompts(0)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    with make_llm(path, kv_tier="none") as off:
+        assert run(off, ps)[0] == ref
+    a = make_llm(path, kv_tier="redis", redis_url=redis_server.url)
+    toks, host = run(a, ps)
+    assert toks == ref and host == [0] * 4
+    toks, host = run(a, ps)  # device hits
+    assert toks == ref and host == [0] * 4
+    assert a.engine.kv.num_hits >= 4 * 5 * BS
+    a.close()  # graceful shutdown flushes the cached blocks to Redis
+    assert len(redis_keys(redis_server)) >= 5 + 4
+
+    b = make_llm(path, kv_tier="redis", redis_url=redis_server.url)  # a restart
+    toks, host = run(b, ps)
+    assert toks == ref
+    assert all(h >= 5 * BS for h in host), host  # the prefix came back from Redis
+    assert b.engine.offload.stats.load_blocks >= 5
+
+    # Cross-replica: write-through publishes prompt blocks while this engine lives on.
+    ps2 = prompts(1)
+    ref2 = hf_greedy(path, ps2, MAX_TOKENS)
+    c = make_llm(path, kv_tier="redis", redis_url=redis_server.url, kv_tier_write_through=True)
+    assert run(c, ps2)[0] == ref2
+    deadline = time.monotonic() + 10
+    while c.engine.offload._pending_writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other = second_process(path, redis_server.url, ps2)
+    assert other["tokens"] == ref2
+    assert all(h >= 5 * BS for h in other["host"]), other["host"]
+    for llm in (b, c):
+        llm.close()
+
+
+def test_keys_are_stable_across_processes_and_separate_models_and_tenants() -> None:
+    fp = kv_fingerprint("llama", "abc123", "bfloat16", 16, 30, 3, 64)
+    chain = hash_block(root_hash(b"tenant-a"), list(range(16)))
+    here = tier_key(fp, chain)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]);"
+            "from engine.kv_offload import kv_fingerprint, tier_key;"
+            "from engine.block_manager import hash_block, root_hash;"
+            "print(tier_key(kv_fingerprint('llama', 'abc123', 'bfloat16', 16, 30, 3, 64),"
+            " hash_block(root_hash(b'tenant-a'), list(range(16)))))")
+    for seed in ("1", "2", "random"):
+        out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True,
+                             text=True, env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
+        assert out.stdout.strip() == here
+    assert here.startswith(f"tw:kv:v1:{fp.hex()}:") and len(here) == len("tw:kv:v1:") + 129
+    # Any change of model, weights, dtype, geometry or block size changes the fingerprint.
+    others = [kv_fingerprint("qwen2", "abc123", "bfloat16", 16, 30, 3, 64),
+              kv_fingerprint("llama", "abc124", "bfloat16", 16, 30, 3, 64),
+              kv_fingerprint("llama", "abc123", "float32", 16, 30, 3, 64),
+              kv_fingerprint("llama", "abc123", "bfloat16", 32, 30, 3, 64),
+              kv_fingerprint("llama", "abc123", "bfloat16", 16, 30, 3, 128)]
+    assert len({fp, *others}) == 6
+    # Fields are length-prefixed: moving a boundary is a different fingerprint.
+    assert kv_fingerprint("ab", "c", "x", 1, 1, 1, 1) != kv_fingerprint("a", "bc", "x", 1, 1, 1, 1)
+    assert kv_fingerprint("llama", "1", "f", 11, 1, 1, 1) != \
+        kv_fingerprint("llama", "11", "f", 1, 1, 1, 1)
+    # Tenants: the salt seeds the chain, so the same tokens give other keys.
+    assert hash_block(root_hash(b"tenant-b"), list(range(16))) != chain
+    assert hash_block(root_hash(b"ab"), [1]) != hash_block(root_hash(b"a"), [1])
+
+
+def test_other_tenant_or_model_misses_same_one_hits(tiny_models, redis_server) -> None:
+    path = tiny_models("llama", 0)
+    ps = prompts(2, n=2)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    with make_llm(path, kv_tier="redis", redis_url=redis_server.url) as a:
+        assert run(a, ps, salt=b"tenant-a")[0] == ref
+    with make_llm(path, kv_tier="redis", redis_url=redis_server.url) as b:
+        toks, host = run(b, ps, salt=b"tenant-b")
+        assert toks == ref and host == [0, 0]  # another tenant: no hit
+        toks, host = run(b, ps, salt=b"tenant-a")
+        assert toks == ref and min(host) >= 5 * BS  # same tenant: hit
+    other_model = tiny_models("llama", 1)
+    with make_llm(other_model, kv_tier="redis", redis_url=redis_server.url) as c:
+        toks, host = run(c, ps, salt=b"tenant-a")
+        assert toks == hf_greedy(other_model, ps, MAX_TOKENS) and host == [0, 0]
+
+
+def _populate(path: Path, url: str, ps: list[list[int]]) -> None:
+    with make_llm(path, kv_tier="redis", redis_url=url) as a:
+        run(a, ps)
+
+
+def _redis_only(path: Path, url: str, **kw) -> LLM:
+    """Redis with no memory tier in front, so every load really goes to Redis."""
+    return make_llm(path, kv_tier="redis", redis_url=url, kv_tier_memory=0, **kw)
+
+
+def test_redis_down_before_the_run(tiny_models) -> None:
+    from tests.servers import RedisServer
+
+    path = tiny_models("llama", 0)
+    ps = prompts(3)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    dead = RedisServer()  # never started
+    llm = _redis_only(path, dead.url, num_kv_blocks=24)  # small pool: evictions, write-backs
+    for _ in range(2):
+        assert run(llm, ps)[0] == ref
+    assert llm.engine.offload.tier.stats.errors >= 1
+    llm.close()
+
+
+def test_redis_stopped_mid_run(tiny_models, redis_server) -> None:
+    path = tiny_models("llama", 0)
+    ps = prompts(4, n=6)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    _populate(path, redis_server.url, ps)
+    llm = _redis_only(path, redis_server.url)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    toks: dict[str, list[int]] = {}
+    for i, p in enumerate(ps[:3]):
+        eng.add(eng.make_request(p, sp, f"r{i}"))
+    for _ in range(3):
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    redis_server.stop()
+    for i, p in enumerate(ps[3:], 3):
+        eng.add(eng.make_request(p, sp, f"r{i}"))
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert [toks[f"r{i}"] for i in range(6)] == ref
+    assert eng.offload.tier.stats.errors >= 1 and eng.offload.stats.load_blocks >= 5
+    assert eng.kv.num_free_blocks == eng.num_blocks
+    llm.close()
+
+
+def test_corrupt_values_are_misses_and_deleted(tiny_models, redis_server) -> None:
+    path = tiny_models("llama", 0)
+    ps = prompts(5, n=2)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    _populate(path, redis_server.url, ps)
+    r = redis_server.client()
+    with _redis_only(path, redis_server.url) as probe:  # find the prefix's keys in order
+        probe.engine.kv.update_hashes(req := probe.engine.make_request(ps[0], SamplingParams()))
+        keys = [tier_key(probe.engine.kv_fingerprint, h) for h in req.block_hashes]
+    assert all(r.exists(k) for k in keys[:5])
+    r.set(keys[1], r.get(keys[1])[:-10])  # truncated
+    flipped = bytearray(r.get(keys[3]))
+    flipped[-5] ^= 0xFF
+    r.set(keys[3], bytes(flipped))  # a flipped payload byte
+    llm = _redis_only(path, redis_server.url)
+    toks, host = run(llm, ps[:1])
+    assert toks == ref[:1] and host == [BS]  # block 0 loaded; block 1 is corrupt: recompute
+    assert llm.engine.offload.stats.corrupt == 1 and not r.exists(keys[1])
+    r.set(keys[1], b"garbage")  # not even a header
+    fresh = _redis_only(path, redis_server.url)  # an empty device cache: it must load
+    toks, host = run(fresh, ps[1:])
+    assert toks == ref[1:] and host == [BS]
+    assert fresh.engine.offload.stats.corrupt == 1 and not r.exists(keys[1])
+    for x in (llm, fresh):
+        x.close()
+
+
+class EvictingTier(RedisTier):
+    """A real Redis whose third key is evicted right after every lookup."""
+
+    def lookup(self, keys):  # noqa: ANN001, ANN201
+        n = super().lookup(keys)
+        if n > 2:
+            self._client.delete(keys[2])
+        return n
+
+
+class SlowTier(RedisTier):
+    def get_many(self, keys):  # noqa: ANN001, ANN201
+        time.sleep(0.6)
+        return super().get_many(keys)
+
+
+@pytest.mark.parametrize("tier_cls", [EvictingTier, SlowTier])
+def test_evicted_between_lookup_and_load_or_too_slow(tiny_models, redis_server,
+                                                     tier_cls: type) -> None:
+    path = tiny_models("llama", 0)
+    ps = prompts(6, n=3)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    _populate(path, redis_server.url, ps)
+    llm = _redis_only(path, redis_server.url)
+    from engine.config import TierConfig
+
+    off = llm.engine.offload
+    off.tier = tier_cls(redis_server.url)
+    off.config = TierConfig("redis", redis_server.url, 0, load_timeout=0.2)
+    toks, host = run(llm, ps)
+    assert toks == ref
+    if tier_cls is EvictingTier:
+        assert max(host) == 2 * BS and off.stats.load_blocks >= 2  # up to the evicted block
+    else:
+        assert host == [0, 0, 0] and off.stats.load_timeouts >= 1
+    llm.close()
+
+
+def test_no_leaks_after_1000_requests_with_tier_traffic(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 320) for _ in range(24)] for _ in range(30)]
+    llm = make_llm(path, kv_tier="memory", kv_tier_memory=1 << 20, num_kv_blocks=40,
+                   debug=False)
+    eng, off = llm.engine, llm.engine.offload
+    mem = off.tier
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for batch in range(20):
+        ps = [rng.choice(prefixes) + [rng.randrange(3, 320) for _ in range(rng.randint(1, 9))]
+              for _ in range(50)]
+        outs = llm.generate(ps, sp)
+        assert all(len(o.token_ids) == 2 for o in outs)
+        eng.kv.check_integrity()
+        assert eng.kv.num_free_blocks == eng.num_blocks
+        assert mem.used <= mem.capacity
+    assert not eng.scheduler.requests and not eng.scheduler.loading and not off._loads
+    assert not eng._detoks and not eng.runner._generators and not eng._children
+    assert mem.stats.hits > 100 and off.stats.written_blocks > 100  # it really cycled
+    assert len(off._known) <= 1 << 18
+    llm.close()
+    assert off._pending_writes == 0
+
+
+async def test_socket_warm_start_frames_http_warm_and_tier_metrics(tiny_models,
+                                                                   redis_server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    from websockets.asyncio.client import connect
+
+    from engine import EngineConfig
+    from engine.config import CacheConfig, TierConfig
+    from service.config import ServiceConfig
+    from tests.servers import http_get, run_server
+
+    path = tiny_models("llama", 0)
+    ps = prompts(8, n=1) + prompts(9, n=1)  # two unrelated prefixes
+    _populate(path, redis_server.url, ps[:1])  # ps[0]'s prefix is in Redis
+    config = ServiceConfig(engine=EngineConfig(
+        model=str(path), dtype="float32", cache=CacheConfig(block_size=BS, num_blocks=64),
+        tier=TierConfig("redis", redis_server.url)))
+    with run_server(config) as s:
+        async with connect(s.ws_url, subprotocols=["tidewire.v1.json"]) as ws:
+            assert json.loads(await ws.recv())["type"] == "ready"
+            # warm the prefix of ps[1] while "the user types"
+            await ws.send(json.dumps({"type": "warm", "id": "w1", "prompt_token_ids": ps[1][:40]}))
+            warmed = json.loads(await ws.recv())
+            assert warmed == {"type": "warmed", "id": "w1", "prompt_tokens": 40,
+                              "cached_tokens": 40, "reused_tokens": {"device": 0, "host": 0}}
+            for rid, p in (("from-redis", ps[0]), ("from-warm", ps[1])):
+                await ws.send(json.dumps({"type": "generate", "id": rid, "prompt_token_ids": p,
+                                          "params": {"max_tokens": MAX_TOKENS, "temperature": 0.0,
+                                                     "ignore_eos": True}}))
+                msgs = []
+                while not msgs or msgs[-1]["type"] != "done":
+                    msgs.append(json.loads(await ws.recv()))
+                start, done = msgs[0], msgs[-1]
+                assert start["type"] == "start" and done["status"] == "completed"
+                assert [t for m in msgs if m["type"] == "delta" for t in m["token_ids"]] == \
+                    hf_greedy(path, [p], MAX_TOKENS)[0]
+                cached = start["cached_tokens"]
+                if rid == "from-redis":
+                    assert cached["host"] >= 5 * BS and done["usage"]["cached_tokens"] == cached
+                else:
+                    assert cached == {"device": 40, "host": 0}  # the warm put it on the device
+            await ws.send(json.dumps({"type": "warm", "prompt": "text", "params": {}}))
+            err = json.loads(await ws.recv())
+            assert err["type"] == "error" and err["code"] == "invalid_request"
+        import urllib.request
+
+        req = urllib.request.Request(f"{s.url}/v1/warm", method="POST",
+                                     data=json.dumps({"prompt": ps[1][:24]}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = json.loads(r.read())
+        assert body["prompt_tokens"] == 24 and body["cached_tokens"] == 24
+        assert body["reused_tokens"]["device"] == 16  # 2 blocks; the last token recomputes
+        status, text = http_get(f"{s.url}/metrics")
+        assert status == 200
+        samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                   for f in text_string_to_metric_families(text.decode()) for x in f.samples}
+        assert samples[("tidewire_kv_tier_ops", (("op", "hits"), ("tier", "redis")))] >= 5
+        assert samples[("tidewire_kv_tier_bytes", (("direction", "read"), ("tier", "redis")))] > 0
+        assert samples[("tidewire_kv_tier_loads", (("what", "load_blocks"),))] >= 5
+        assert samples[("tidewire_kv_tier_breaker_open", (("tier", "redis"),))] == 0
