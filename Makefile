@@ -24,6 +24,7 @@ $(STAMP): $(VPY) pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+	./.ci/system-deps
 
 test: install
 	$(VPY) -m pytest -q -rs

