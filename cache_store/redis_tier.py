@@ -21,6 +21,7 @@ from redis.retry import Retry
 from cache_store.base import KVTier
 
 T = TypeVar("T")
+GET_CHUNK = 16
 
 
 class CircuitBreaker:
@@ -78,9 +79,12 @@ class RedisTier(KVTier):
         self.url, self.ttl = url, ttl
         self.breaker = breaker or CircuitBreaker()
         # No client-side retries: a failure is a miss now; the breaker decides when to retry.
+        # Values are ~0.1-1 MB blocks: reading the socket 1 MB at a time (not 64 KB) took
+        # a 46 MB load from ~1.0 to ~1.5 GB/s here (with hiredis parsing the replies).
         self._client = redis.Redis.from_url(url, socket_timeout=timeout,
                                             socket_connect_timeout=timeout,
-                                            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                                            retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                                            socket_read_size=1 << 20)
 
     def _call(self, fn: Callable[[], T], default: T) -> T:
         if not self.breaker.allow():
@@ -114,10 +118,17 @@ class RedisTier(KVTier):
         return n
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        if not keys:
-            return []
-        vals = self._call(self._pipeline(lambda p: [p.getex(k, ex=self.ttl) for k in keys]),
-                          [None] * len(keys))
+        # Pipelines of GET_CHUNK keys: a few MB per reply instead of one reply of tens of
+        # MB, which the client parses in a buffer it keeps growing (3-10x slower here).
+        vals: list[bytes | None] = []
+        for i in range(0, len(keys), GET_CHUNK):
+            part = keys[i : i + GET_CHUNK]
+            got = self._call(self._pipeline(lambda p, part=part: [p.getex(k, ex=self.ttl)
+                                                                  for k in part]), None)
+            if got is None:  # failed: the rest are misses too
+                vals += [None] * (len(keys) - i)
+                break
+            vals += got
         got = [v for v in vals if v is not None]
         self.stats.add(hits=len(got), misses=len(keys) - len(got),
                        bytes_read=sum(len(v) for v in got))

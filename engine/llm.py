@@ -54,9 +54,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
-    def close(self) -> None:
-        """Flush cached prefix blocks to the host tier and stop its I/O thread."""
-        self.engine.close()
+    def close(self, flush: bool = True) -> None:
+        """Flush cached prefix blocks to the host tier (unless `flush` is False) and
+        stop its I/O thread."""
+        self.engine.close(flush)
 
     def __enter__(self) -> LLM:
         return self

@@ -124,9 +124,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from bench import offline, ws
+    from bench import offline, prefix, ws
 
-    return {"offline": offline, "ws": ws}[a.bench].main(a)
+    return {"offline": offline, "ws": ws, "prefix": prefix}[a.bench].main(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     wsb = bsub.add_parser("ws", help="64 WebSocket streams vs the engine alone, same requests")
     ws_bench.add_args(wsb)
     wsb.set_defaults(func=cmd_bench)
+    from bench import prefix as prefix_bench
+
+    pb = bsub.add_parser("prefix", help="TTFT of a 2,000-token shared prefix: cold, device hit, "
+                         "Redis after a restart, memory tier; no-hit overhead of the tier")
+    prefix_bench.add_args(pb)
+    pb.set_defaults(func=cmd_bench)
     return parser
 
 

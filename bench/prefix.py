@@ -1,0 +1,172 @@
+"""`tidewire bench prefix`: what the host tier buys, measured in one run.
+
+TTFT of a request whose prompt is a 2,000-token shared prefix plus a short suffix:
+(a) cold, (b) device prefix-cache hit, (c) after a restart, loaded from Redis,
+(d) after the device evicted it, loaded from the memory tier. Also the bytes/s of the
+Redis loads, and the throughput cost of the Redis tier on a workload with no prefix
+hits (chat-64 prompts, tier off and on alternating).
+
+Redis: `--redis-url`, or a private redis-server started on a free port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.offline import run_tidewire
+from bench.workloads import chat64
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--prefix-tokens", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--redis-url", default=None, help="default: start a private redis-server")
+    p.add_argument("--overhead-requests", type=int, default=32)
+    p.add_argument("--overhead-rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None)
+
+
+class _PrivateRedis:
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise FileNotFoundError("redis-server not found (make install puts it there)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.3)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def _llm(a: argparse.Namespace, **kw: Any) -> Any:
+    from engine import LLM
+
+    return LLM(model=a.model, dtype=a.dtype, max_num_batched_tokens=512, **kw)
+
+
+def ttft(llm: Any, prompt: list[int]) -> tuple[float, dict[str, int]]:
+    """Seconds from add to the first token, and where the cached prompt tokens came from."""
+    from engine import SamplingParams
+
+    eng = llm.engine
+    rid = f"ttft-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    eng.add(eng.make_request(prompt, SamplingParams(max_tokens=1, temperature=0.0,
+                                                    ignore_eos=True), rid))
+    first = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.request_id == rid and o.new_token_ids and first is None:
+                first = time.perf_counter() - t0
+                cached = {"device": o.num_cached_tokens - o.num_host_cached_tokens,
+                          "host": o.num_host_cached_tokens}
+    assert first is not None
+    return first, cached
+
+
+def _prompts(a: argparse.Namespace, vocab: int, salt: int) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(a.seed * 1000 + salt)
+    prefix = [rng.randrange(100, vocab) for _ in range(a.prefix_tokens)]
+    suffixes = [[rng.randrange(100, vocab) for _ in range(16)] for _ in range(4)]
+    return prefix, [prefix + s for s in suffixes]
+
+
+def measure_ttft(a: argparse.Namespace, url: str) -> dict[str, Any]:
+    cold, device, redis, memory, where, rates = [], [], [], [], {}, []
+    for rep in range(a.repeats):
+        # (a) cold and (b) device hit, on an engine that writes to Redis at close
+        llm = _llm(a, kv_tier="redis", redis_url=url, kv_tier_memory=0)
+        vocab = llm.engine.arch.vocab_size
+        prefix, ps = _prompts(a, vocab, rep)
+        t, where["cold"] = ttft(llm, ps[0])
+        cold.append(t)
+        t, where["device"] = ttft(llm, ps[1])
+        device.append(t)
+        llm.close()  # graceful shutdown: cached blocks flushed to Redis
+        # (c) a restart: a new engine, empty device cache, Redis only (no memory tier)
+        llm = _llm(a, kv_tier="redis", redis_url=url, kv_tier_memory=0)
+        t, where["redis"] = ttft(llm, ps[2])
+        redis.append(t)
+        st = llm.engine.offload.stats
+        rates.append(st.load_bytes / st.load_seconds if st.load_seconds else 0.0)
+        llm.close(flush=False)
+        # (d) the memory tier: a pool that holds one prefix; a second prefix evicts it
+        blocks = -(-(a.prefix_tokens + 64) // 16) + 8
+        llm = _llm(a, kv_tier="memory", num_kv_blocks=blocks, max_model_len=a.prefix_tokens + 64)
+        _, other = _prompts(a, vocab, 10_000 + rep)
+        ttft(llm, ps[0])
+        ttft(llm, other[0])  # evicts ps[0]'s blocks to the memory tier
+        t, where["memory"] = ttft(llm, ps[3])
+        memory.append(t)
+        llm.close(flush=False)
+    med = {k: statistics.median(v) for k, v in
+           (("cold", cold), ("device", device), ("redis", redis), ("memory", memory))}
+    return {"ttft_s": med, "runs_s": {"cold": cold, "device": device, "redis": redis,
+                                      "memory": memory},
+            "speedup_vs_cold": {k: med["cold"] / med[k] for k in ("device", "redis", "memory")},
+            "cached_tokens": where, "redis_load_bytes_per_s": statistics.median(rates)}
+
+
+def measure_overhead(a: argparse.Namespace, url: str) -> dict[str, Any]:
+    """Throughput with no prefix hits: tier none vs redis (write-through on, the most
+    traffic), alternating rounds, medians."""
+    runs: dict[str, list[float]] = {"none": [], "redis": []}
+    llms = {"none": _llm(a, kv_tier="none"),
+            "redis": _llm(a, kv_tier="redis", redis_url=url, kv_tier_write_through=True)}
+    vocab = llms["none"].engine.arch.vocab_size
+    for rnd in range(a.overhead_rounds):
+        # fresh prompts each round: nothing can hit, on the device or in Redis
+        work = chat64(vocab, a.overhead_requests, seed=a.seed + 100 + rnd)
+        for kind in (("none", "redis") if rnd % 2 == 0 else ("redis", "none")):
+            runs[kind].append(run_tidewire(llms[kind], work)["output_tok_s"])
+    stats = llms["redis"].engine.offload.stats
+    for llm in llms.values():
+        llm.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"output_tok_s": med, "runs": runs, "loss": 1 - med["redis"] / med["none"],
+            "redis_loads": stats.loads, "redis_written_blocks": stats.written_blocks}
+
+
+def main(a: argparse.Namespace) -> int:
+    server = None if a.redis_url else _PrivateRedis()
+    url = a.redis_url or server.url  # type: ignore[union-attr]
+    try:
+        result = {"model": a.model, "dtype": a.dtype, "prefix_tokens": a.prefix_tokens,
+                  "ttft": measure_ttft(a, url), "no_hit_overhead": measure_overhead(a, url)}
+    finally:
+        if server is not None:
+            server.close()
+    t = result["ttft"]
+    for k in ("cold", "device", "redis", "memory"):
+        s = t["speedup_vs_cold"].get(k)
+        print(f"TTFT {k:7s} {t['ttft_s'][k] * 1000:9.1f} ms"
+              + (f"   {s:6.1f}x faster than cold" if s else "")
+              + f"   cached {t['cached_tokens'][k]}")
+    print(f"Redis loads: {t['redis_load_bytes_per_s'] / 1e6:.0f} MB/s")
+    o = result["no_hit_overhead"]
+    print(f"no-hit workload: tier none {o['output_tok_s']['none']:.1f} tok/s, "
+          f"redis {o['output_tok_s']['redis']:.1f} tok/s, loss {o['loss'] * 100:.1f}%")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=2))
+    return 0
