@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--redis-url", default=None, help="default: start a private redis-server")
     p.add_argument("--overhead-requests", type=int, default=32)
-    p.add_argument("--overhead-rounds", type=int, default=2)
+    p.add_argument("--overhead-rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
 
@@ -134,6 +134,8 @@ def measure_overhead(a: argparse.Namespace, url: str) -> dict[str, Any]:
     llms = {"none": _llm(a, kv_tier="none"),
             "redis": _llm(a, kv_tier="redis", redis_url=url, kv_tier_write_through=True)}
     vocab = llms["none"].engine.arch.vocab_size
+    for llm in llms.values():  # one-time warm-ups (oneDNN kernels, page faults) first
+        run_tidewire(llm, chat64(vocab, 4, seed=a.seed + 99))
     for rnd in range(a.overhead_rounds):
         # fresh prompts each round: nothing can hit, on the device or in Redis
         work = chat64(vocab, a.overhead_requests, seed=a.seed + 100 + rnd)

@@ -364,3 +364,30 @@ async def test_socket_warm_start_frames_http_warm_and_tier_metrics(tiny_models,
         assert samples[("tidewire_kv_tier_bytes", (("direction", "read"), ("tier", "redis")))] > 0
         assert samples[("tidewire_kv_tier_loads", (("what", "load_blocks"),))] >= 5
         assert samples[("tidewire_kv_tier_breaker_open", (("tier", "redis"),))] == 0
+        before = len(redis_keys(redis_server))
+    # the server is gone: its graceful shutdown flushed ps[1]'s blocks (never evicted)
+    assert len(redis_keys(redis_server)) >= before + 5
+
+
+class SlowPutTier(RedisTier):
+    def put_many(self, items):  # noqa: ANN001, ANN201
+        time.sleep(0.2)
+        return super().put_many(items)
+
+
+def test_write_queue_is_bounded_and_drops_under_backpressure(tiny_models, redis_server) -> None:
+    from engine.config import TierConfig
+
+    path = tiny_models("llama", 0)
+    ps = [p for s in range(10, 14) for p in prompts(s, n=3)]  # 4 prefixes: evictions
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    llm = _redis_only(path, redis_server.url, num_kv_blocks=24, kv_tier_write_through=True)
+    off = llm.engine.offload
+    off.tier = SlowPutTier(redis_server.url)
+    off.config = TierConfig("redis", redis_server.url, 0, write_through=True,
+                            max_pending_writes=6)
+    for i in range(0, len(ps), 3):
+        assert run(llm, ps[i : i + 3])[0] == ref[i : i + 3]
+        assert off._pending_writes <= 6
+    assert off.stats.dropped_writes > 0 and off.stats.written_blocks > 0
+    llm.close(flush=False)
