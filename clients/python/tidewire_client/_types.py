@@ -1,0 +1,145 @@
+"""Typed events of a stream and the result of `create()`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+
+@dataclass(frozen=True)
+class CachedTokens:
+    """Prompt tokens whose KV was reused: on the device, or loaded from the host tier."""
+
+    device: int = 0
+    host: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host
+
+    @classmethod
+    def parse(cls, value: Any) -> CachedTokens:
+        if isinstance(value, dict):
+            return cls(int(value.get("device", 0)), int(value.get("host", 0)))
+        return cls(int(value or 0))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: CachedTokens
+
+    @classmethod
+    def parse(cls, d: Dict[str, Any]) -> Usage:
+        return cls(int(d.get("prompt_tokens", 0)), int(d.get("completion_tokens", 0)),
+                   CachedTokens.parse(d.get("cached_tokens")))
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_ms: float
+    ttft_ms: float
+    tokens_per_s: float
+    total_ms: float
+
+    @classmethod
+    def parse(cls, d: Dict[str, Any]) -> Timings:
+        return cls(float(d.get("queue_ms", 0)), float(d.get("ttft_ms", 0)),
+                   float(d.get("tokens_per_s", 0)), float(d.get("total_ms", 0)))
+
+
+@dataclass(frozen=True)
+class QueuedEvent:
+    """The request waits for a slot; `position` requests are ahead of it."""
+
+    id: str
+    position: int
+    type: str = "queued"
+
+
+@dataclass(frozen=True)
+class StartEvent:
+    """The request was admitted (its first tokens are on the way)."""
+
+    id: str
+    prompt_tokens: int
+    cached_tokens: CachedTokens
+    queue_ms: float
+    type: str = "start"
+
+
+@dataclass(frozen=True)
+class DeltaEvent:
+    """New text and token ids; `seq` grows by one per delta, `index` is the sample."""
+
+    id: str
+    seq: int
+    text: str
+    token_ids: List[int]
+    index: int = 0
+    logprobs: Optional[List[Dict[str, Any]]] = None
+    type: str = "delta"
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """Always the last event: status completed | cancelled | failed."""
+
+    id: str
+    status: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    finish_reasons: Optional[List[str]] = None
+    type: str = "done"
+
+
+Event = Union[QueuedEvent, StartEvent, DeltaEvent, DoneEvent]
+
+
+def parse_event(frame: Dict[str, Any]) -> Event:
+    kind = frame["type"]
+    if kind == "delta":
+        return DeltaEvent(frame["id"], int(frame["seq"]), frame.get("text", ""),
+                          list(frame.get("token_ids", [])), int(frame.get("index", 0)),
+                          frame.get("logprobs"))
+    if kind == "start":
+        return StartEvent(frame["id"], int(frame.get("prompt_tokens", 0)),
+                          CachedTokens.parse(frame.get("cached_tokens")),
+                          float(frame.get("queue_ms", 0)))
+    if kind == "done":
+        return DoneEvent(frame["id"], frame["status"], frame["finish_reason"],
+                         Usage.parse(frame.get("usage", {})),
+                         Timings.parse(frame.get("timings", {})), frame.get("finish_reasons"))
+    if kind == "queued":
+        return QueuedEvent(frame["id"], int(frame.get("position", 0)))
+    raise ValueError(f"not a stream event: {kind!r}")
+
+
+@dataclass
+class Completion:
+    """A whole result, as `create()` returns it (texts and token ids per sample)."""
+
+    id: str
+    texts: List[str]
+    token_ids: List[List[int]]
+    status: str
+    finish_reason: str
+    usage: Usage
+    timings: Timings
+    cached_tokens: CachedTokens = field(default_factory=CachedTokens)
+
+    @property
+    def text(self) -> str:
+        """The first (usually the only) sample's text."""
+        return self.texts[0] if self.texts else ""
+
+
+@dataclass(frozen=True)
+class WarmResult:
+    """What `warm()` cached: the prefix's tokens now in the cache, and what was reused."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    reused_tokens: CachedTokens
