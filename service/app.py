@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from service.ws import websocket_endpoint
 
 log = logging.getLogger("tidewire.service")
 STATIC = Path(__file__).parent / "static"
+# The JS SDK's ESM source, served at /sdk/ for the chat page (and any browser app).
+JS_SDK = Path(os.environ.get("TIDEWIRE_JS_SDK",
+                             Path(__file__).resolve().parents[1] / "clients" / "js" / "src"))
 
 
 async def health(request: Request) -> Response:
@@ -78,6 +82,7 @@ def create_app(config: ServiceConfig) -> Starlette:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/warm", openai_api.warm, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
+        *([Mount("/sdk", StaticFiles(directory=JS_SDK), name="sdk")] if JS_SDK.is_dir() else []),
         Mount("/", StaticFiles(directory=STATIC, html=True), name="static"),
     ]
     return Starlette(routes=routes, lifespan=lifespan)

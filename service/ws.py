@@ -63,7 +63,7 @@ class Session:
         tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._watchdog())]
         self._frame({"type": "ready", "session_id": self.session_id,
                      "protocol": self.codec.subprotocol, "model": self.gw.config.model_name,
-                     "limits": self._limits()})
+                     "limits": self._limits(), "features": ["warm", "cancel", "ping"]})
         try:
             await self._reader()
         finally:

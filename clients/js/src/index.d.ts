@@ -1,0 +1,181 @@
+// Types of @tidewire/client (hand-written beside src/index.js).
+
+export interface CachedTokens {
+  device: number;
+  host: number;
+}
+
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  cached_tokens: CachedTokens;
+}
+
+export interface Timings {
+  queue_ms: number;
+  ttft_ms: number;
+  tokens_per_s: number;
+  total_ms: number;
+}
+
+export interface QueuedEvent {
+  type: "queued";
+  id: string;
+  position: number;
+}
+
+export interface StartEvent {
+  type: "start";
+  id: string;
+  prompt_tokens: number;
+  cached_tokens: CachedTokens;
+  queue_ms: number;
+}
+
+export interface DeltaEvent {
+  type: "delta";
+  id: string;
+  /** +1 per delta of this request */
+  seq: number;
+  text: string;
+  token_ids: number[];
+  /** the sample, when n > 1 */
+  index?: number;
+  logprobs?: { token_id: number; logprob: number; top: [number, number][] }[];
+}
+
+export interface DoneEvent {
+  type: "done";
+  id: string;
+  status: "completed" | "cancelled" | "failed";
+  finish_reason: "stop" | "length" | "cancelled" | "error";
+  usage: Usage;
+  timings: Timings;
+  finish_reasons?: string[];
+}
+
+export type StreamEvent = QueuedEvent | StartEvent | DeltaEvent | DoneEvent;
+
+export interface Message {
+  role: "system" | "user" | "assistant" | string;
+  content: string;
+}
+
+/** Sampling parameters, as the server's `params` object takes them. */
+export interface SamplingParams {
+  max_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  top_k?: number;
+  min_p?: number;
+  seed?: number;
+  n?: number;
+  stop?: string | string[];
+  stop_token_ids?: number[];
+  presence_penalty?: number;
+  frequency_penalty?: number;
+  repetition_penalty?: number;
+  logit_bias?: Record<string, number>;
+  min_tokens?: number;
+  ignore_eos?: boolean;
+  logprobs?: number;
+  skip_special_tokens?: boolean;
+}
+
+export interface RequestOptions extends SamplingParams {
+  /** chosen by the client; default: generated */
+  requestId?: string;
+  /** aborting cancels the request; the stream then ends with a cancelled done event */
+  signal?: AbortSignal;
+}
+
+export interface ChatRequest extends RequestOptions {
+  messages: Message[];
+}
+
+export interface CompletionRequest extends RequestOptions {
+  prompt: string | number[];
+}
+
+export interface Completion {
+  id: string;
+  text: string;
+  texts: string[];
+  tokenIds: number[][];
+  status: DoneEvent["status"];
+  finishReason: DoneEvent["finish_reason"];
+  usage: Usage;
+  timings: Timings;
+  cachedTokens: CachedTokens;
+}
+
+export interface WarmResult {
+  prompt_tokens: number;
+  cached_tokens: number;
+  reused_tokens: CachedTokens;
+}
+
+export declare class Stream implements AsyncIterable<StreamEvent> {
+  readonly id: string;
+  start: StartEvent | null;
+  done: DoneEvent | null;
+  [Symbol.asyncIterator](): AsyncIterator<StreamEvent>;
+  nextEvent(): Promise<StreamEvent | null>;
+  textStream(): AsyncGenerator<string>;
+  final(): Promise<Completion>;
+  cancel(): void;
+  close(): void;
+}
+
+export interface ClientOptions {
+  /** ws://host:port/v1/ws */
+  url: string;
+  apiKey?: string;
+  protocol?: "json" | "msgpack";
+  /** per event of a stream (and per warm/ping reply) */
+  timeoutMs?: number;
+  maxRetries?: number;
+}
+
+export declare class TidewireClient {
+  constructor(options: ClientOptions);
+  readonly connected: boolean;
+  ready: Record<string, unknown> | null;
+  chat: {
+    stream(request: ChatRequest): Promise<Stream>;
+    create(request: ChatRequest): Promise<Completion>;
+  };
+  completions: {
+    stream(request: CompletionRequest): Promise<Stream>;
+    create(request: CompletionRequest): Promise<Completion>;
+  };
+  connect(): Promise<void>;
+  warm(request: { messages?: Message[]; prompt?: string | number[] }): Promise<WarmResult>;
+  ping(): Promise<number>;
+  close(): void;
+}
+
+export default TidewireClient;
+
+export declare class TidewireError extends Error {}
+export declare class APIError extends TidewireError {
+  code: string;
+  retryable: boolean;
+  requestId?: string;
+  constructor(code: string, message: string, retryable?: boolean, requestId?: string);
+}
+export declare class AuthenticationError extends APIError {}
+export declare class BadRequestError extends APIError {}
+export declare class NotFoundError extends BadRequestError {}
+export declare class RateLimitError extends APIError {}
+export declare class OverloadedError extends RateLimitError {}
+export declare class SlowConsumerError extends APIError {}
+export declare class InternalServerError extends APIError {}
+export declare class APIConnectionError extends TidewireError {}
+export declare class APITimeoutError extends APIConnectionError {}
+export declare function errorFromFrame(frame: {
+  id?: string;
+  code: string;
+  message?: string;
+  retryable?: boolean;
+}): APIError;

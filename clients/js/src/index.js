@@ -1,0 +1,448 @@
+// @tidewire/client: the tidewire.v1 WebSocket protocol for browsers and Node.
+//
+// One socket carries any number of concurrent streams. Types are in index.d.ts.
+// Runtime dependencies: @msgpack/msgpack (only loaded for protocol "msgpack") and, on
+// Node versions without a global WebSocket, the optional `ws` package.
+
+const SUBPROTOCOLS = { json: "tidewire.v1.json", msgpack: "tidewire.v1.msgpack" };
+const AUTH_PREFIX = "tidewire.auth.";
+
+// -- errors ------------------------------------------------------------------------------
+
+export class TidewireError extends Error {
+  constructor(message) {
+    super(message);
+    this.name = new.target.name;
+  }
+}
+
+/** The server answered with an `error` frame. */
+export class APIError extends TidewireError {
+  constructor(code, message, retryable = false, requestId = undefined) {
+    super(`${code}: ${message}`);
+    this.code = code;
+    this.retryable = retryable;
+    this.requestId = requestId;
+  }
+}
+export class AuthenticationError extends APIError {}
+export class BadRequestError extends APIError {}
+export class NotFoundError extends BadRequestError {}
+export class RateLimitError extends APIError {}
+export class OverloadedError extends RateLimitError {}
+export class SlowConsumerError extends APIError {}
+export class InternalServerError extends APIError {}
+export class APIConnectionError extends TidewireError {}
+export class APITimeoutError extends APIConnectionError {}
+
+const BY_CODE = {
+  unauthorized: AuthenticationError,
+  invalid_request: BadRequestError,
+  duplicate_id: BadRequestError,
+  context_length_exceeded: BadRequestError,
+  message_too_big: BadRequestError,
+  model_not_found: NotFoundError,
+  too_many_inflight: RateLimitError,
+  overloaded: OverloadedError,
+  slow_consumer: SlowConsumerError,
+  internal_error: InternalServerError,
+};
+
+/** The exception for an `error {id?, code, message, retryable}` frame. */
+export function errorFromFrame(frame) {
+  const Cls = BY_CODE[frame.code] ?? APIError;
+  return new Cls(frame.code, frame.message ?? "", Boolean(frame.retryable), frame.id);
+}
+
+// -- helpers -----------------------------------------------------------------------------
+
+function base64url(text) {
+  const bytes = new TextEncoder().encode(text);
+  let bin = "";
+  for (const b of bytes) bin += String.fromCharCode(b);
+  return btoa(bin).replace(/\+/g, "-").replace(/\//g, "_").replace(/=+$/, "");
+}
+
+async function webSocketClass() {
+  if (typeof globalThis.WebSocket === "function") return globalThis.WebSocket;
+  try {
+    return (await import("ws")).default;
+  } catch {
+    throw new APIConnectionError("no WebSocket implementation: install the `ws` package");
+  }
+}
+
+/** A queue that async iteration waits on. */
+class Channel {
+  constructor() {
+    this.items = [];
+    this.waiters = [];
+  }
+  push(item) {
+    const w = this.waiters.shift();
+    if (w) w(item);
+    else this.items.push(item);
+  }
+  next(timeoutMs) {
+    if (this.items.length) return Promise.resolve(this.items.shift());
+    return new Promise((resolve, reject) => {
+      let timer;
+      const done = (item) => {
+        clearTimeout(timer);
+        resolve(item);
+      };
+      this.waiters.push(done);
+      if (timeoutMs > 0) {
+        timer = setTimeout(() => {
+          this.waiters = this.waiters.filter((w) => w !== done);
+          reject(new APITimeoutError(`no event for ${timeoutMs} ms`));
+        }, timeoutMs);
+      }
+    });
+  }
+}
+
+// -- streams -----------------------------------------------------------------------------
+
+const END = Symbol("end");
+
+/**
+ * The events of one request: `for await (const ev of stream)` yields start, delta and
+ * done events (and `queued`); `stream.textStream()` only the text; `await
+ * stream.final()` the whole result. Breaking out of the loop, `stream.cancel()` or the
+ * request's AbortSignal cancels the request on the server.
+ */
+export class Stream {
+  constructor(client, id, signal) {
+    this.id = id;
+    this.start = null;
+    this.done = null;
+    this._client = client;
+    this._chan = new Channel();
+    this._finished = false;
+    this._texts = [];
+    this._tokens = [];
+    if (signal) {
+      const onAbort = () => this.cancel();
+      if (signal.aborted) queueMicrotask(onAbort);
+      else signal.addEventListener("abort", onAbort, { once: true });
+    }
+  }
+
+  _push(item) {
+    this._chan.push(item);
+  }
+
+  /** The next event, or null at the end. */
+  async nextEvent() {
+    if (this._finished) return null;
+    let item;
+    try {
+      item = await this._chan.next(this._client.timeoutMs);
+    } catch (e) {
+      this.close();
+      throw e;
+    }
+    if (item === END) {
+      this._finished = true;
+      return null;
+    }
+    if (item instanceof Error) {
+      this._finished = true;
+      throw item;
+    }
+    if (item.type === "start") this.start = item;
+    else if (item.type === "delta") {
+      const i = item.index ?? 0;
+      (this._texts[i] ??= []).push(item.text);
+      (this._tokens[i] ??= []).push(...item.token_ids);
+    } else if (item.type === "done") {
+      this.done = item;
+      this._finished = true;
+    }
+    return item;
+  }
+
+  [Symbol.asyncIterator]() {
+    return {
+      next: async () => {
+        const ev = await this.nextEvent();
+        return ev === null ? { done: true, value: undefined } : { done: false, value: ev };
+      },
+      return: async () => {
+        this.close(); // the loop was left early
+        return { done: true, value: undefined };
+      },
+    };
+  }
+
+  /** Only the text of each delta. */
+  async *textStream() {
+    for await (const ev of this) {
+      if (ev.type === "delta" && ev.text) yield ev.text;
+    }
+  }
+
+  /** Read to the end; the whole result. */
+  async final() {
+    while ((await this.nextEvent()) !== null);
+    const n = Math.max(this._texts.length, this._tokens.length, 1);
+    const texts = Array.from({ length: n }, (_, i) => (this._texts[i] ?? []).join(""));
+    return {
+      id: this.id,
+      text: texts[0],
+      texts,
+      tokenIds: Array.from({ length: n }, (_, i) => this._tokens[i] ?? []),
+      status: this.done.status,
+      finishReason: this.done.finish_reason,
+      usage: this.done.usage,
+      timings: this.done.timings,
+      cachedTokens: this.start?.cached_tokens ?? { device: 0, host: 0 },
+    };
+  }
+
+  /** Ask the server to stop; the stream then ends with a `cancelled` done event. */
+  cancel() {
+    if (!this._finished) this._client._sendSoon({ type: "cancel", id: this.id });
+  }
+
+  /** Stop listening and cancel the request (no more events are delivered). */
+  close() {
+    if (this._finished) return;
+    this._finished = true;
+    this._client._abandon(this.id);
+    this._chan.push(END);
+  }
+}
+
+// -- the client --------------------------------------------------------------------------
+
+/**
+ * A Tidewire client on one WebSocket.
+ *   new TidewireClient({ url, apiKey, protocol: "json" | "msgpack", timeoutMs, maxRetries })
+ * The key travels as the subprotocol `tidewire.auth.<base64url key>` (browsers cannot set
+ * headers on a WebSocket); the server never echoes it. The socket opens on first use and
+ * reopens, with backoff, for new requests after it drops.
+ */
+export class TidewireClient {
+  constructor({ url, apiKey, protocol = "json", timeoutMs = 60000, maxRetries = 3 } = {}) {
+    if (!url) throw new TypeError("url is required");
+    if (!SUBPROTOCOLS[protocol]) throw new TypeError('protocol must be "json" or "msgpack"');
+    Object.assign(this, { url, apiKey, protocol, timeoutMs, maxRetries });
+    this.ready = null;
+    this._ws = null;
+    this._opening = null;
+    this._streams = new Map();
+    this._waiters = new Map();
+    this._seq = 0;
+    this._prefix = Math.random().toString(36).slice(2, 10);
+    this._codec = null;
+    this.chat = {
+      stream: (opts) => this._generate("messages", opts),
+      create: async (opts) => (await this._generate("messages", opts)).final(),
+    };
+    this.completions = {
+      stream: (opts) => this._generate("prompt", opts),
+      create: async (opts) => (await this._generate("prompt", opts)).final(),
+    };
+  }
+
+  get connected() {
+    return this._ws !== null && this._ws.readyState === 1;
+  }
+
+  /** Open the socket (retrying with backoff) and wait for the server's `ready`. */
+  async connect() {
+    if (this.connected) return;
+    this._opening ??= this._connectWithRetries().finally(() => {
+      this._opening = null;
+    });
+    return this._opening;
+  }
+
+  async _connectWithRetries() {
+    let delay = 250;
+    for (let attempt = 0; ; attempt++) {
+      try {
+        return await this._open();
+      } catch (e) {
+        if (e instanceof AuthenticationError || attempt >= this.maxRetries) throw e;
+        await new Promise((r) => setTimeout(r, delay));
+        delay = Math.min(delay * 2, 4000);
+      }
+    }
+  }
+
+  async _loadCodec() {
+    if (this._codec) return this._codec;
+    if (this.protocol === "json") {
+      this._codec = { encode: (m) => JSON.stringify(m), decode: (d) => JSON.parse(d) };
+    } else {
+      const mp = await import("@msgpack/msgpack");
+      this._codec = {
+        encode: (m) => mp.encode(m),
+        decode: (d) => mp.decode(typeof d === "string" ? new TextEncoder().encode(d) : d),
+      };
+    }
+    return this._codec;
+  }
+
+  async _open() {
+    const WS = await webSocketClass();
+    const codec = await this._loadCodec();
+    const protocols = [SUBPROTOCOLS[this.protocol]];
+    if (this.apiKey) protocols.push(AUTH_PREFIX + base64url(this.apiKey));
+    const ws = new WS(this.url, protocols);
+    ws.binaryType = "arraybuffer";
+    let status = 0;
+    if (typeof ws.on === "function") {
+      ws.on("unexpected-response", (_req, res) => {
+        status = res.statusCode;
+        ws.terminate?.();
+      });
+    }
+    await new Promise((resolve, reject) => {
+      const fail = (why) => {
+        if (status === 401 || status === 403) {
+          reject(new AuthenticationError("unauthorized", "the server refused the API key or origin"));
+        } else reject(new APIConnectionError(`cannot connect to ${this.url}: ${why}`));
+      };
+      ws.onopen = null;
+      ws.onmessage = (msg) => {
+        const frame = codec.decode(toData(msg.data));
+        if (frame.type !== "ready") return fail(`expected ready, got ${frame.type}`);
+        this.ready = frame;
+        resolve();
+      };
+      ws.onerror = () => fail("socket error");
+      ws.onclose = (ev) =>
+        ev.code === 1008 ? reject(new AuthenticationError("unauthorized", ev.reason || "policy"))
+          : fail(`closed (${ev.code})`);
+    });
+    this._ws = ws;
+    ws.onmessage = (msg) => this._route(codec.decode(toData(msg.data)));
+    ws.onerror = () => {};
+    ws.onclose = (ev) => this._lost(ws, new APIConnectionError(`connection lost (${ev.code})`));
+  }
+
+  _lost(ws, err) {
+    if (this._ws === ws) this._ws = null;
+    for (const s of this._streams.values()) s._push(err);
+    this._streams.clear();
+    for (const w of this._waiters.values()) w.reject(err);
+    this._waiters.clear();
+  }
+
+  _route(frame) {
+    const { type, id } = frame;
+    if (type === "queued" || type === "start" || type === "delta" || type === "done") {
+      const s = this._streams.get(id);
+      if (s) {
+        s._push(frame);
+        if (type === "done") this._streams.delete(id);
+      }
+    } else if (type === "error") {
+      const err = errorFromFrame(frame);
+      if (this._streams.has(id)) {
+        this._streams.get(id)._push(err);
+        this._streams.delete(id);
+      } else if (this._waiters.has(id)) {
+        this._waiters.get(id).reject(err);
+        this._waiters.delete(id);
+      }
+    } else if (type === "warmed" || type === "pong") {
+      const key = type === "warmed" ? id : `ping:${frame.t}`;
+      this._waiters.get(key)?.resolve(frame);
+      this._waiters.delete(key);
+    }
+  }
+
+  _send(frame) {
+    if (!this.connected) throw new APIConnectionError("not connected");
+    this._ws.send(this._codec.encode(frame));
+  }
+
+  _sendSoon(frame) {
+    try {
+      this._send(frame);
+    } catch {
+      /* the socket is gone: the server has already aborted everything */
+    }
+  }
+
+  _abandon(id) {
+    if (this._streams.delete(id)) this._sendSoon({ type: "cancel", id });
+  }
+
+  _newId() {
+    return `${this._prefix}-${++this._seq}`;
+  }
+
+  async _generate(kind, opts = {}) {
+    const { messages, prompt, requestId, signal, ...params } = opts;
+    const body = {};
+    if (kind === "messages") body.messages = messages;
+    else if (Array.isArray(prompt)) body.prompt_token_ids = prompt;
+    else body.prompt = prompt;
+    await this.connect();
+    const id = requestId ?? this._newId();
+    if (this._streams.has(id)) throw new BadRequestError("duplicate_id", `request ${id} is in flight`);
+    const stream = new Stream(this, id, signal);
+    this._streams.set(id, stream);
+    try {
+      this._send({ type: "generate", id, ...body, params });
+    } catch (e) {
+      this._streams.delete(id);
+      throw e;
+    }
+    return stream;
+  }
+
+  async _request(key, frame) {
+    await this.connect();
+    const reply = new Promise((resolve, reject) => this._waiters.set(key, { resolve, reject }));
+    this._send(frame);
+    let timer;
+    const timeout = new Promise((_, reject) => {
+      timer = setTimeout(() => reject(new APITimeoutError(`no reply to ${frame.type}`)), this.timeoutMs);
+    });
+    try {
+      return await Promise.race([reply, timeout]);
+    } finally {
+      clearTimeout(timer);
+      this._waiters.delete(key);
+    }
+  }
+
+  /** Prefill a prefix (`{messages}` or `{prompt}`) into the server's cache without
+   * generating; resolves to {prompt_tokens, cached_tokens, reused_tokens}. */
+  async warm({ messages, prompt } = {}) {
+    const id = this._newId();
+    const body = messages ? { messages } : Array.isArray(prompt) ? { prompt_token_ids: prompt } : { prompt };
+    const r = await this._request(id, { type: "warm", id, ...body });
+    return { prompt_tokens: r.prompt_tokens, cached_tokens: r.cached_tokens, reused_tokens: r.reused_tokens };
+  }
+
+  /** Round-trip time of a ping, in milliseconds. */
+  async ping() {
+    const t = `${Date.now()}.${++this._seq}`;
+    const t0 = globalThis.performance?.now() ?? Date.now();
+    await this._request(`ping:${t}`, { type: "ping", t });
+    return (globalThis.performance?.now() ?? Date.now()) - t0;
+  }
+
+  /** Close the socket; open streams end with APIConnectionError. */
+  close() {
+    const ws = this._ws;
+    if (ws) {
+      this._lost(ws, new APIConnectionError("client closed"));
+      ws.close(1000);
+    }
+  }
+}
+
+function toData(data) {
+  return data instanceof ArrayBuffer ? new Uint8Array(data) : data;
+}
+
+export default TidewireClient;

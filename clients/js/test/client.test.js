@@ -1,0 +1,116 @@
+// node --test against a real Tidewire server: TIDEWIRE_URL (ws://.../v1/ws) and
+// TIDEWIRE_API_KEY are set by tests/test_client_js.py, which starts the server.
+import assert from "node:assert/strict";
+import { after, test } from "node:test";
+
+import {
+  AuthenticationError,
+  BadRequestError,
+  APIConnectionError,
+  RateLimitError,
+  TidewireClient,
+} from "../src/index.js";
+
+const url = process.env.TIDEWIRE_URL;
+const apiKey = process.env.TIDEWIRE_API_KEY;
+if (!url) throw new Error("set TIDEWIRE_URL (tests/test_client_js.py does)");
+const ask = (content) => [{ role: "user", content }];
+const clients = [];
+function client(opts = {}) {
+  const c = new TidewireClient({ url, apiKey, ...opts });
+  clients.push(c);
+  return c;
+}
+after(() => clients.forEach((c) => c.close()));
+
+for (const protocol of ["json", "msgpack"]) {
+  test(`streams start, deltas in order and one done (${protocol})`, async () => {
+    const c = client({ protocol });
+    const stream = await c.chat.stream({ messages: ask("Name three colors."), max_tokens: 12, temperature: 0 });
+    const events = [];
+    for await (const ev of stream) events.push(ev);
+    assert.equal(events[0].type, "start");
+    assert.equal(events.at(-1).type, "done");
+    assert.equal(events.at(-1).status, "completed");
+    const deltas = events.filter((e) => e.type === "delta");
+    assert.deepEqual(deltas.map((d) => d.seq), deltas.map((_, i) => i + 1));
+    const text = deltas.map((d) => d.text).join("");
+    assert.ok(text.length > 0);
+    const whole = await c.chat.create({ messages: ask("Name three colors."), max_tokens: 12, temperature: 0 });
+    assert.equal(whole.text, text); // greedy: the same text twice
+    assert.equal(whole.usage.completion_tokens, deltas.flatMap((d) => d.token_ids).length);
+  });
+}
+
+test("concurrent streams share one socket", async () => {
+  const c = client();
+  const qs = ["Count to three.", "Say hello.", "Name a fruit.", "What is 1+1?"];
+  const solo = [];
+  for (const q of qs) solo.push((await c.chat.create({ messages: ask(q), max_tokens: 10, temperature: 0 })).text);
+  const texts = await Promise.all(
+    qs.map(async (q) => {
+      const s = await c.chat.stream({ messages: ask(q), max_tokens: 10, temperature: 0 });
+      let t = "";
+      for await (const piece of s.textStream()) t += piece;
+      assert.equal(s.done.status, "completed");
+      return t;
+    }),
+  );
+  assert.deepEqual(texts, solo);
+});
+
+test("completions with a text prompt and warm", async () => {
+  const c = client();
+  const r = await c.completions.create({ prompt: "The sea is", max_tokens: 6, ignore_eos: true, temperature: 0 });
+  assert.equal(r.finishReason, "length");
+  assert.equal(r.usage.completion_tokens, 6);
+  const w = await c.warm({ messages: [{ role: "system", content: "Be brief. ".repeat(20) }] });
+  assert.ok(w.cached_tokens >= 16, JSON.stringify(w));
+  assert.ok((await c.ping()) >= 0);
+});
+
+test("AbortSignal cancels: the stream ends with a cancelled done", async () => {
+  const c = client();
+  const ac = new AbortController();
+  const s = await c.chat.stream({ messages: ask("Count to 100."), max_tokens: 400, ignore_eos: true, signal: ac.signal });
+  let deltas = 0;
+  let last;
+  for await (const ev of s) {
+    last = ev;
+    if (ev.type === "delta" && ++deltas === 2) ac.abort();
+  }
+  assert.equal(last.type, "done");
+  assert.equal(last.status, "cancelled");
+  assert.ok(deltas < 100);
+});
+
+async function aborted() {
+  const metrics = await (await fetch(url.replace(/^ws/, "http").replace(/\/v1\/ws$/, "/metrics"))).text();
+  const m = metrics.match(/^tidewire_requests_total\{finish_reason="abort"\} ([0-9.e+]+)$/m);
+  return m ? Number(m[1]) : 0;
+}
+
+test("breaking out of the loop cancels on the server", async () => {
+  const c = client();
+  const before = await aborted();
+  const s = await c.chat.stream({ messages: ask("Count to 100."), max_tokens: 400, ignore_eos: true });
+  for await (const ev of s) if (ev.type === "delta") break;
+  for (let i = 0; i < 100 && (await aborted()) === before; i++) await new Promise((r) => setTimeout(r, 50));
+  assert.equal(await aborted(), before + 1); // the server aborted it
+  const r = await c.chat.create({ messages: ask("Hi"), max_tokens: 3 }); // the socket still works
+  assert.equal(r.status, "completed");
+});
+
+test("errors map to typed exceptions", async () => {
+  const c = client();
+  const bad = await c.chat.stream({ messages: ask("x"), temperature: -1 });
+  await assert.rejects(bad.final(), (e) => e instanceof BadRequestError && e.code === "invalid_request");
+  const streams = [];
+  for (let i = 0; i < 5; i++) streams.push(await c.chat.stream({ messages: ask("Go on."), max_tokens: 200, ignore_eos: true }));
+  await assert.rejects(streams[4].final(), (e) => e instanceof RateLimitError && e.retryable);
+  streams.slice(0, 4).forEach((s) => s.close());
+  const wrong = new TidewireClient({ url, apiKey: "wrong-key", maxRetries: 0 });
+  await assert.rejects(wrong.connect(), AuthenticationError);
+  const dead = new TidewireClient({ url: "ws://127.0.0.1:9/v1/ws", maxRetries: 0 });
+  await assert.rejects(dead.chat.create({ messages: ask("x") }), APIConnectionError);
+});
