@@ -75,3 +75,59 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [num_tokens, 2 * d] = [gate | up] -> silu(gate) * up, [num_tokens, d]."""
     d = x.shape[-1] // 2
     return torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, scale: float, kv_start: int = 0,
+                    kv_end: int = 2**31 - 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of kernels.paged_attention, same layouts ([num_blocks, block_size,
+    kv_heads, head_dim] caches), in fp32, one sequence at a time. Returns (out [tokens,
+    heads, dim] in q's dtype, lse [tokens, heads] fp32; -inf where nothing is seen)."""
+    num_heads = q.shape[1]
+    bs, kvh = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], float("-inf"))
+    for s in range(seq_lens.shape[0]):
+        a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        n, q_len = int(seq_lens[s]), b - a
+        blocks = block_tables[s, : -(-n // bs)].long()
+        k = k_cache[blocks].reshape(-1, kvh, k_cache.shape[-1])[:n].float()
+        v = v_cache[blocks].reshape(-1, kvh, v_cache.shape[-1])[:n].float()
+        k = k.repeat_interleave(num_heads // kvh, dim=1)  # [n, heads, d]
+        v = v.repeat_interleave(num_heads // kvh, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale
+        qpos = torch.arange(n - q_len, n)[:, None]
+        kpos = torch.arange(n)[None, :]
+        visible = (kpos <= qpos) & (kpos >= kv_start) & (kpos < kv_end)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        m = scores.amax(-1, keepdim=True)
+        p = torch.exp(scores - m.nan_to_num(neginf=0.0))
+        denom = p.sum(-1, keepdim=True)
+        o = torch.einsum("hqk,khd->qhd", p / denom.clamp_min(1e-30), v)
+        out[a:b] = o.to(q.dtype)
+        lse[a:b] = torch.where(denom > 0, m + denom.log(), float("-inf")).squeeze(-1).T
+    return out, lse
+
+
+def merge_attn_states(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of attention over disjoint key sets: outs [P, tokens, heads, d], lses
+    [P, tokens, heads] -> (out [tokens, heads, d], lse [tokens, heads])."""
+    m = lses.amax(0)
+    m_safe = m.nan_to_num(neginf=0.0)
+    w = torch.exp(lses - m_safe)  # [P, T, H]; 0 for parts that saw nothing
+    total = w.sum(0)
+    out = (w[..., None] * outs.float()).sum(0) / total.clamp_min(1e-30)[..., None]
+    lse = torch.where(total > 0, m_safe + total.log(), float("-inf"))
+    return out.to(outs.dtype), lse
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [tokens, kv_heads, d] into [num_blocks, block_size, kv_heads, d] caches at
+    slot = block * block_size + offset; slot -1 is skipped (padding)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    bs = k_cache.shape[1]
+    k_cache[slots // bs, slots % bs] = k[keep]
+    v_cache[slots // bs, slots % bs] = v[keep]

@@ -11,6 +11,10 @@ import torch
 
 # Keep the converted default model in one place across test runs (CI included).
 os.environ.setdefault("TIDEWIRE_CACHE", str(Path.home() / ".cache" / "tidewire"))
+# No GPU here: the Triton kernels run under Triton's interpreter. (Read when a kernel
+# module is imported, so it is set before any test imports kernels.*.)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,

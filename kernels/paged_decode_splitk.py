@@ -1,0 +1,110 @@
+"""Split-K (flash-decoding) paged attention for decode-only batches with long contexts.
+
+A batch of single-token decodes has too few (sequence, KV head) pairs to fill a GPU when
+contexts are long, so each sequence's keys are cut into partitions of PARTITION_BLOCKS
+cache blocks computed by separate programs; each writes its normalized partial output
+and log-sum-exp, and merge_attn_states combines them exactly.
+
+    q            [num_seqs, num_heads, head_dim]   one query token per sequence
+    k/v_cache    [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32
+    partials     [num_partitions, num_seqs, num_heads, head_dim] fp32 (scratch)
+    lses         [num_partitions, num_seqs, num_heads] fp32 (scratch; -inf = empty)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._common import check_cache, dot_fp32, dot_precision, next_pow2
+from kernels.merge_attn_states import merge_attn_states
+
+
+@triton.jit
+def _decode_partition_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
+    scale,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_pp, stride_pt, stride_ph, stride_lp, stride_lt, stride_lh, stride_bt,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    part = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    g = tl.arange(0, ROWS)
+    row_ok = g < GROUP
+    head = kvh * GROUP + g
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m_i = tl.full([ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    t = tl.arange(0, BLOCK_SIZE)
+    first = part * PARTITION_BLOCKS
+    last = tl.minimum(first + PARTITION_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))
+    for j in range(first, last):
+        phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
+        kpos = j * BLOCK_SIZE + t
+        k = tl.load(k_cache_ptr + phys * stride_kb + t[:, None].to(tl.int64) * stride_kt
+                    + kvh * stride_kh + d[None, :])
+        v = tl.load(v_cache_ptr + phys * stride_vb + t[:, None].to(tl.int64) * stride_vt
+                    + kvh * stride_vh + d[None, :])
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = tl.where(kpos[None, :] < seq_len, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    tl.store(part_ptr + part * stride_pp + seq * stride_pt + head[:, None] * stride_ph
+             + d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    tl.store(lse_ptr + part * stride_lp + seq * stride_lt + head * stride_lh,
+             tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe)), mask=row_ok)
+
+
+def paged_decode_splitk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        max_seq_len: int, partition_blocks: int = 16,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention with the keys split into partitions of `partition_blocks`
+    blocks (1 partition: plain decode) and merged by LSE."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = check_cache(k_cache, v_cache, head_dim)
+    if q.stride(-1) != 1 or num_heads % num_kv_heads or q.dtype != k_cache.dtype:
+        raise ValueError("q: contiguous last dim, heads divisible by kv heads, cache dtype")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 \
+            or block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError("one int32 block table row and seq_len per sequence")
+    group = num_heads // num_kv_heads
+    num_parts = triton.cdiv(triton.cdiv(max(max_seq_len, 1), block_size), partition_blocks)
+    partials = torch.empty((num_parts, num_seqs, num_heads, head_dim), dtype=torch.float32,
+                           device=q.device)
+    lses = torch.empty((num_parts, num_seqs, num_heads), dtype=torch.float32, device=q.device)
+    _decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+        q, k_cache, v_cache, partials, lses, block_tables, seq_lens, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        partials.stride(0), partials.stride(1), partials.stride(2),
+        lses.stride(0), lses.stride(1), lses.stride(2), block_tables.stride(0),
+        GROUP=group, ROWS=max(16, next_pow2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        PARTITION_BLOCKS=partition_blocks, PRECISION=dot_precision(q.dtype),
+        DOT_FP32=dot_fp32(q.dtype),
+        num_warps=4, num_stages=2)
+    merged = merge_attn_states(partials, lses)
+    out = torch.empty_like(q) if out is None else out
+    out.copy_(merged)
+    return out

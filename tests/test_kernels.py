@@ -1,0 +1,169 @@
+"""Triton kernels against kernels/reference.py, under TRITON_INTERPRET=1 (set by
+conftest on machines without a GPU). Small shapes: the interpreter runs each program
+in numpy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.cascade_attention import cascade_attention
+from kernels.fused_norm_rope_act import rms_norm, rope, silu_and_mul
+from kernels.merge_attn_states import merge_attn_states
+from kernels.paged_attention import paged_attention
+from kernels.paged_decode_splitk import paged_decode_splitk
+from kernels.reshape_and_cache import reshape_and_cache
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+def make_batch(q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int, d: int,
+               bs: int, dtype: torch.dtype, num_blocks: int = 64, seed: int = 0,
+               sparse_ids: bool = False):
+    """Random caches and queries; each sequence gets its own random physical blocks
+    (ids above 2^16 with sparse_ids, in a cache that is only touched where used)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in seq_lens]
+    if sparse_ids:
+        num_blocks = 70_001
+        ids = torch.randperm(4_000, generator=g)[: sum(need)] + 66_000
+    else:
+        ids = torch.randperm(num_blocks, generator=g)[: sum(need)]
+    kc = torch.empty(num_blocks, bs, kv_heads, d, dtype=dtype)
+    vc = torch.empty(num_blocks, bs, kv_heads, d, dtype=dtype)
+    kc[ids] = torch.randn(len(ids), bs, kv_heads, d, generator=g).to(dtype)
+    vc[ids] = torch.randn(len(ids), bs, kv_heads, d, generator=g).to(dtype)
+    table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
+    pos = 0
+    for s, n in enumerate(need):
+        table[s, :n] = ids[pos : pos + n].int()
+        pos += n
+    # q as a non-contiguous view (the q columns of a fused qkv projection)
+    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, d, generator=g).to(dtype)
+    q = qkv[:, :heads]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+BATCHES = {
+    "prefill": ([7, 20], [7, 20]),
+    "decode": ([1, 1, 1], [1, 17, 40]),
+    "mixed": ([1, 1, 13, 5], [33, 16, 45, 5]),  # chunks after cached context, fresh prompt
+}
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_paged_attention_matches_reference(batch: str, group: int, dtype: torch.dtype) -> None:
+    q_lens, seq_lens = BATCHES[batch]
+    q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 2 * group, 2, 64, 16, dtype)
+    out, lse = paged_attention(q, kc, vc, table, lens, starts, 0.125, max(q_lens),
+                               return_lse=True)
+    want, want_lse = ref.paged_attention(q, kc, vc, table, lens, starts, 0.125)
+    close(out, want, dtype)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("bs,d", [(32, 64), (16, 128), (32, 128)])
+def test_paged_attention_block_sizes_head_dims(bs: int, d: int) -> None:
+    q_lens, seq_lens = BATCHES["mixed"]
+    q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 6, 2, d, bs, torch.bfloat16)
+    out = paged_attention(q, kc, vc, table, lens, starts, d**-0.5, max(q_lens))
+    close(out, ref.paged_attention(q, kc, vc, table, lens, starts, d**-0.5)[0], torch.bfloat16)
+
+
+def test_paged_attention_block_ids_above_2_16_in_a_sparse_cache() -> None:
+    q_lens, seq_lens = [1, 9], [50, 30]
+    q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 4, 1, 64, 16, torch.bfloat16,
+                                                sparse_ids=True)
+    assert int(table.max()) > 1 << 16
+    out = paged_attention(q, kc, vc, table, lens, starts, 0.125, 9)
+    close(out, ref.paged_attention(q, kc, vc, table, lens, starts, 0.125)[0], torch.bfloat16)
+
+
+def test_paged_attention_rejects_bad_inputs() -> None:
+    q, kc, vc, table, lens, starts = make_batch([1], [5], 2, 2, 64, 16, torch.float32)
+    with pytest.raises(ValueError, match="int32"):
+        paged_attention(q, kc, vc, table.long(), lens, starts, 0.1, 1)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(q.to(torch.bfloat16), kc, vc, table, lens, starts, 0.1, 1)
+    with pytest.raises(ValueError, match="powers of two"):
+        paged_attention(q[..., :48], kc[..., :48], vc[..., :48], table, lens, starts, 0.1, 1)
+
+
+@pytest.mark.parametrize("partition_blocks", [1, 2, 64])  # many partitions ... one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_decode_matches_reference(partition_blocks: int, dtype: torch.dtype) -> None:
+    seq_lens = [70, 3, 33, 16]
+    q, kc, vc, table, lens, starts = make_batch([1] * 4, seq_lens, 6, 2, 64, 16, dtype)
+    out = paged_decode_splitk(q, kc, vc, table, lens, 0.125, max(seq_lens), partition_blocks)
+    close(out, ref.paged_attention(q, kc, vc, table, lens, starts, 0.125)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_equals_plain_attention(dtype: torch.dtype) -> None:
+    """Three requests share a 32-token (2-block) cached prefix, then diverge."""
+    q_lens, seq_lens = [1, 6, 1], [40, 45, 33]
+    q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 4, 2, 64, 16, dtype, seed=3)
+    table[:, :2] = table[0, :2]  # the shared prefix: the same physical blocks
+    plain = paged_attention(q, kc, vc, table, lens, starts, 0.125, max(q_lens))
+    out = cascade_attention(q, kc, vc, table[0, :2], 32, table, lens, starts, 0.125, max(q_lens))
+    close(out, plain, dtype)
+    close(out, ref.paged_attention(q, kc, vc, table, lens, starts, 0.125)[0], dtype)
+
+
+def test_merge_attn_states_with_an_empty_part() -> None:
+    g = torch.Generator().manual_seed(1)
+    parts = torch.randn(3, 5, 4, 64, generator=g)
+    lses = torch.randn(3, 5, 4, generator=g)
+    lses[1, 2] = float("-inf")  # a partition that saw no key for token 2
+    lses[:, 4] = float("-inf")  # a token that saw nothing at all
+    out, lse = merge_attn_states(parts, lses, return_lse=True)
+    want, want_lse = ref.merge_attn_states(parts, lses)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse)
+    assert (out[4] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_skips_padding(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    k = torch.randn(6, 3, 64, generator=g).to(dtype)
+    v = torch.randn(6, 3, 64, generator=g).to(dtype)
+    slots = torch.tensor([5, 17, -1, 40, 41, -1])
+    caches = [torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(4)]
+    reshape_and_cache(k, v, caches[0], caches[1], slots)
+    ref.reshape_and_cache(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    assert caches[0].count_nonzero() == 4 * 3 * 64  # the -1 rows went nowhere
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_rope_silu_match_reference(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 96, generator=g).to(dtype)
+    res = torch.randn(5, 96, generator=g).to(dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    for r in (None, res):
+        got, got_res = rms_norm(x, w, 1e-5, r)
+        want, want_res = ref.rms_norm(x, w, 1e-5, r)
+        close(got, want, dtype)
+        # (not bit-equal in bf16: the interpreter's fp32 -> bf16 cast truncates, a
+        # GPU's rounds to nearest even, as torch does)
+        close(got_res, want_res, dtype)
+    cos, sin = ref.rope_cos_sin(64, 128, 10000.0)
+    positions = torch.tensor([0, 3, 127, 64, 9])
+    qk = torch.randn(5, 6, 64, generator=g).to(dtype)
+    want = ref.rope(qk, *ref.rope_gather(cos, sin, positions, dtype))
+    q, k = qk[:, :4], qk[:, 4:]  # views into one tensor, rotated in place
+    rope(q, k, positions, cos, sin)
+    close(qk, want, dtype)
+    x2 = torch.randn(5, 2 * 80, generator=g).to(dtype)
+    close(silu_and_mul(x2), ref.silu_and_mul(x2), dtype)
