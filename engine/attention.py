@@ -38,6 +38,8 @@ class AttentionBackend(ABC):
     """Interface: a cache layout, metadata, a cache write and paged attention."""
 
     name = "abstract"
+    # Whether the model should also run the fused Triton RMSNorm / RoPE / SiLU-mul.
+    fused_ops = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype = torch.float32):
@@ -256,10 +258,16 @@ class CpuAttention(AttentionBackend):
         return o[0].transpose(0, 1)
 
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"cpu": CpuAttention}
+BACKENDS = ("cpu", "cuda", "triton-interpret")
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention_backend {name!r}; choose from {sorted(BACKENDS)}")
-    return BACKENDS[name]
+    """cpu (torch, tuned for CPUs), cuda (Triton kernels), triton-interpret (the Triton
+    kernels under Triton's interpreter, on the CPU: slow, for tests)."""
+    if name == "cpu":
+        return CpuAttention
+    if name in ("cuda", "triton-interpret"):
+        from engine.attention_triton import TritonAttention, TritonInterpretAttention
+
+        return TritonAttention if name == "cuda" else TritonInterpretAttention
+    raise ValueError(f"unknown attention_backend {name!r}; choose from {list(BACKENDS)}")

@@ -156,6 +156,7 @@ class LlamaModel:
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.ops = TritonOps() if attn.fused_ops else TorchOps()
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -179,17 +180,19 @@ class LlamaModel:
         """input_ids, positions: [num_tokens]; returns fp32 logits [len(logits_rows), vocab]."""
         eps = self.arch.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
-        rot = ref.rope_gather(self.cos, self.sin, positions, self.dtype)
+        ops = self.ops
+        rot = ops.rope_setup(self.cos, self.sin, positions, self.dtype)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h, residual = ref.rms_norm(x, layer.input_norm, eps, residual)
+            h, residual = ops.rms_norm(x, layer.input_norm, eps, residual)
             h = self._attention(h, rot, layer, k_cache, v_cache, meta)
-            h, residual = ref.rms_norm(h, layer.post_norm, eps, residual)
-            x = layer.down(ref.silu_and_mul(layer.gate_up(h)))
-        x, _ = ref.rms_norm(x[logits_rows], self.norm, eps, residual[logits_rows])
+            h, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
+            x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
+        x, _ = ops.rms_norm(x[logits_rows].contiguous(), self.norm, eps,
+                            residual[logits_rows].contiguous())
         return self.lm_head(x).float()
 
-    def _attention(self, h: torch.Tensor, rot: tuple[torch.Tensor, torch.Tensor],
+    def _attention(self, h: torch.Tensor, rot: tuple[torch.Tensor, ...],
                    layer: LayerWeights,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: object) -> torch.Tensor:
@@ -197,9 +200,46 @@ class LlamaModel:
         n = h.shape[0]
         qkv = layer.qkv(h)
         # q and k rotate together: one rope over their [n, heads + kv_heads, d] view.
-        qk = ref.rope(qkv[:, : self.q_size + self.kv_size].view(n, -1, a.head_dim), *rot)
+        qk = self.ops.rope(qkv[:, : self.q_size + self.kv_size].view(n, -1, a.head_dim),
+                           a.num_heads, rot)
         q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(n, a.num_kv_heads, a.head_dim)
         self.attn.write_cache(k, v, k_cache, v_cache, meta)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta)
         return layer.o(o.reshape(n, self.q_size))
+
+
+class TorchOps:
+    """The elementwise ops of a layer as torch code (kernels/reference.py)."""
+
+    rms_norm = staticmethod(ref.rms_norm)
+    silu_and_mul = staticmethod(ref.silu_and_mul)
+
+    @staticmethod
+    def rope_setup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return ref.rope_gather(cos, sin, positions, dtype)  # once per step, for all layers
+
+    @staticmethod
+    def rope(qk: torch.Tensor, num_heads: int, rot: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return ref.rope(qk, *rot)
+
+
+class TritonOps:
+    """The same ops as the fused Triton kernels (kernels/fused_norm_rope_act.py)."""
+
+    def __init__(self) -> None:
+        from kernels import fused_norm_rope_act as fused
+
+        self.rms_norm = fused.rms_norm
+        self.silu_and_mul = fused.silu_and_mul
+        self._rope = fused.rope
+
+    @staticmethod
+    def rope_setup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return positions, cos, sin
+
+    def rope(self, qk: torch.Tensor, num_heads: int, rot: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        self._rope(qk[:, :num_heads], qk[:, num_heads:], *rot)  # in place
+        return qk

@@ -21,7 +21,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    default=int(_env("MAX_NUM_BATCHED_TOKENS", "512")))
     p.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64")))
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "cpu"))
+    p.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "cpu"),
+                   choices=["cpu", "cuda", "triton-interpret"])
     p.add_argument("--kv-tier", default=_env("KV_TIER", "memory"),
                    choices=["memory", "redis", "none"],
                    help="host tier for evicted prefix blocks (redis: memory in front of Redis)")
@@ -124,9 +125,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from bench import offline, prefix, ws
+    from bench import kernels, offline, prefix, ws
 
-    return {"offline": offline, "ws": ws, "prefix": prefix}[a.bench].main(a)
+    return {"offline": offline, "ws": ws, "prefix": prefix, "kernels": kernels}[a.bench].main(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "Redis after a restart, memory tier; no-hit overhead of the tier")
     prefix_bench.add_args(pb)
     pb.set_defaults(func=cmd_bench)
+    from bench import kernels as kernel_bench
+
+    kb = bsub.add_parser("kernels", help="Triton kernels vs torch references and the roofline "
+                         "(CUDA only; exits 0 without a GPU)")
+    kernel_bench.add_args(kb)
+    kb.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -3,6 +3,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+from service.cli import main
+
 
 def test_generate_command_prints_text(smollm2_dir) -> None:
     out = subprocess.run(
@@ -17,3 +21,12 @@ def test_cli_reports_bad_model_cleanly(tmp_path) -> None:
                           str(tmp_path / "missing"), "hi"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "error" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_bench_kernels_without_a_gpu_says_so_and_exits_0(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the kernel benchmark would run for real")
+    assert main(["bench", "kernels"]) == 0
+    assert "no CUDA GPU" in capsys.readouterr().out

@@ -1,0 +1,120 @@
+"""The Triton attention backends: `cuda` (the kernels compiled for the GPU) and
+`triton-interpret` (the same kernels under Triton's interpreter, on CPU tensors, for
+tests on machines without a GPU).
+
+Cache layout (per layer, K and V alike): [num_blocks, block_size, num_kv_heads,
+head_dim], the layout of kernels/paged_attention.py, and already the host tier's
+canonical block layout, so reading and writing whole blocks is plain indexing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionBackend, StepLayout
+
+# A decode-only step whose longest context reaches this many tokens splits each
+# sequence's keys into partitions (flash-decoding): few long sequences would otherwise
+# leave most of a GPU's SMs idle.
+SPLIT_K_MIN_CONTEXT = 2048
+SPLIT_K_PARTITION_BLOCKS = 32
+
+
+@dataclass
+class TritonMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (decodes first, then prefills)
+    seq_lens: torch.Tensor  # [num_seqs] int32: context after this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+    decode_only: bool
+
+
+class TritonAttention(AttentionBackend):
+    name = "cuda"
+    device = "cuda"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        self._check_device()
+        from kernels import paged_attention, paged_decode_splitk, reshape_and_cache
+
+        self._paged = paged_attention.paged_attention
+        self._splitk = paged_decode_splitk.paged_decode_splitk
+        self._cache_write = reshape_and_cache.reshape_and_cache
+
+    def _check_device(self) -> None:
+        if not torch.cuda.is_available():
+            raise ValueError("attention_backend 'cuda' needs a CUDA device; use 'cpu', or "
+                             "'triton-interpret' to run the Triton kernels on the CPU")
+        # The kernels are ready; the runner still builds weights, caches and step
+        # tensors on the CPU. Refuse instead of failing inside the first kernel launch.
+        raise ValueError("attention_backend 'cuda': placing the model and KV cache on the "
+                         "GPU is not wired into the runner yet; use 'triton-interpret' to "
+                         "run these kernels on the CPU")
+
+    @property
+    def fused_ops(self) -> bool:
+        """The model also runs the fused RMSNorm / RoPE / SiLU-mul kernels."""
+        return True
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def build_metadata(self, layout: StepLayout) -> TritonMetadata:
+        rows = [(1, n, ids) for n, ids in zip(layout.decode_seq_lens, layout.decode_block_ids)]
+        rows += [(p.q_len, p.ctx_len, p.block_ids) for p in layout.prefills]
+        width = max((len(ids) for _, _, ids in rows), default=1) or 1
+        table = torch.zeros((len(rows), width), dtype=torch.int32)
+        for i, (_, _, ids) in enumerate(rows):
+            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        starts = [0]
+        for q_len, _, _ in rows:
+            starts.append(starts[-1] + q_len)
+        dev = self.device
+        return TritonMetadata(
+            torch.tensor(layout.slot_mapping, dtype=torch.int64, device=dev), table.to(dev),
+            torch.tensor([n for _, n, _ in rows], dtype=torch.int32, device=dev),
+            torch.tensor(starts, dtype=torch.int32, device=dev),
+            max((q for q, _, _ in rows), default=1), max((n for _, n, _ in rows), default=1),
+            not layout.prefills)
+
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: object) -> None:
+        assert isinstance(meta, TritonMetadata)
+        self._cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: object) -> torch.Tensor:
+        assert isinstance(meta, TritonMetadata)
+        if meta.decode_only and meta.max_seq_len >= SPLIT_K_MIN_CONTEXT:
+            return self._splitk(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                self.scale, meta.max_seq_len, SPLIT_K_PARTITION_BLOCKS)
+        return self._paged(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, self.scale, meta.max_query_len)
+
+    def read_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k_cache[block_ids], v_cache[block_ids]
+
+    def write_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+        k_cache[block_ids] = k
+        v_cache[block_ids] = v
+
+
+class TritonInterpretAttention(TritonAttention):
+    """The Triton kernels on CPU tensors through Triton's interpreter (slow; for tests).
+    TRITON_INTERPRET must be set before any kernel module is imported; this backend
+    sets it, so it must come first in a process that also uses the `cuda` backend."""
+
+    name = "triton-interpret"
+    device = "cpu"
+
+    def _check_device(self) -> None:
+        os.environ["TRITON_INTERPRET"] = "1"
