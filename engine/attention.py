@@ -40,6 +40,9 @@ class AttentionBackend(ABC):
     name = "abstract"
     # Whether the model should also run the fused Triton RMSNorm / RoPE / SiLU-mul.
     fused_ops = False
+    # Where the weights, the KV cache and the step's tensors live (sampling stays on
+    # the CPU: the logits rows come back once per step).
+    device = "cpu"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                  dtype: torch.dtype = torch.float32):

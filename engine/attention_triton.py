@@ -52,11 +52,6 @@ class TritonAttention(AttentionBackend):
         if not torch.cuda.is_available():
             raise ValueError("attention_backend 'cuda' needs a CUDA device; use 'cpu', or "
                              "'triton-interpret' to run the Triton kernels on the CPU")
-        # The kernels are ready; the runner still builds weights, caches and step
-        # tensors on the CPU. Refuse instead of failing inside the first kernel launch.
-        raise ValueError("attention_backend 'cuda': placing the model and KV cache on the "
-                         "GPU is not wired into the runner yet; use 'triton-interpret' to "
-                         "run these kernels on the CPU")
 
     @property
     def fused_ops(self) -> bool:

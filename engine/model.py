@@ -146,14 +146,15 @@ class LlamaModel:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  attn: AttentionBackend) -> None:
         self.arch, self.dtype, self.attn = arch, dtype, attn
-        w = {k: v.to(dtype) for k, v in weights.items()}
+        w = {k: v.to(attn.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         lm_head = w.get("lm_head.weight")
         self.lm_head = Linear(self.embed if arch.tie_word_embeddings or lm_head is None else lm_head)
         self.layers = [self._layer(w, i) for i in range(arch.num_layers)]
-        self.cos, self.sin = ref.rope_cos_sin(
+        cos, sin = ref.rope_cos_sin(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
+        self.cos, self.sin = cos.to(attn.device), sin.to(attn.device)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.ops = TritonOps() if attn.fused_ops else TorchOps()

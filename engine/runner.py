@@ -31,9 +31,12 @@ class ModelRunner:
                                     dtype)
         self.block_size = block_size
         self.attn = attn
+        self.device = torch.device(attn.device)
         self.model = LlamaModel(arch, weights, dtype, attn)
         shape = attn.cache_shape(num_blocks)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        dev = self.device
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=dev),
+                           torch.zeros(shape, dtype=dtype, device=dev))
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -47,6 +50,8 @@ class ModelRunner:
                                     inputs.meta, inputs.logits_rows)
         if not inputs.sample_ids:
             return {}
+        if logits.device.type != "cpu":
+            logits = logits.cpu()  # the sampler (and its seeded generators) run on the CPU
         res = self.sampler(logits, inputs.sampling)
         return dict(zip(inputs.sample_ids, zip(res.tokens, res.logprobs)))
 
@@ -58,18 +63,20 @@ class ModelRunner:
     @torch.inference_mode()
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """Copies of whole blocks: [n, layers, 2, block_size, kv_heads, head_dim]."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
-        out = torch.empty((len(block_ids), *self.block_shape()), dtype=self.kv_caches[0][0].dtype)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        out = torch.empty((len(block_ids), *self.block_shape()), dtype=self.kv_caches[0][0].dtype,
+                          device=self.device)
         for layer, (kc, vc) in enumerate(self.kv_caches):
             k, v = self.attn.read_blocks(kc, vc, idx)
             out[:, layer, 0] = k
             out[:, layer, 1] = v
-        return out
+        return out.cpu()  # (a no-op on the CPU)
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Store whole blocks given as read_blocks returns them."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        data = data.to(self.device, non_blocking=True)
         for layer, (kc, vc) in enumerate(self.kv_caches):
             self.attn.write_blocks(kc, vc, idx, data[:, layer, 0], data[:, layer, 1])
 
@@ -91,11 +98,12 @@ class ModelRunner:
             if s.samples:
                 rows.append(len(ids) - 1)
                 samplers.append(s)
+        dev = self.device
         return StepInputs(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(pos, dtype=torch.int64),
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=torch.tensor(pos, dtype=torch.int64).to(dev, non_blocking=True),
             meta=self._metadata(decodes, prefills, slots),
-            logits_rows=torch.tensor(rows, dtype=torch.int64),
+            logits_rows=torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
             sample_ids=[s.request.request_id for s in samplers],
             sampling=self._sampling_batch(samplers),
         )
