@@ -129,25 +129,29 @@ def measure_ttft(a: argparse.Namespace, url: str) -> dict[str, Any]:
 
 
 def measure_overhead(a: argparse.Namespace, url: str) -> dict[str, Any]:
-    """Throughput with no prefix hits: tier none vs redis (write-through on, the most
-    traffic), alternating rounds, medians."""
-    runs: dict[str, list[float]] = {"none": [], "redis": []}
+    """Throughput with no prefix hits: tier none vs redis (write-back, the default) vs
+    redis with write-through (every prompt block written: the most traffic), in rotating
+    order over the rounds, medians."""
+    kinds = ("none", "redis", "redis_write_through")
     llms = {"none": _llm(a, kv_tier="none"),
-            "redis": _llm(a, kv_tier="redis", redis_url=url, kv_tier_write_through=True)}
+            "redis": _llm(a, kv_tier="redis", redis_url=url),
+            "redis_write_through": _llm(a, kv_tier="redis", redis_url=url,
+                                        kv_tier_write_through=True)}
+    runs: dict[str, list[float]] = {k: [] for k in kinds}
     vocab = llms["none"].engine.arch.vocab_size
     for llm in llms.values():  # one-time warm-ups (oneDNN kernels, page faults) first
         run_tidewire(llm, chat64(vocab, 4, seed=a.seed + 99))
     for rnd in range(a.overhead_rounds):
         # fresh prompts each round: nothing can hit, on the device or in Redis
         work = chat64(vocab, a.overhead_requests, seed=a.seed + 100 + rnd)
-        for kind in (("none", "redis") if rnd % 2 == 0 else ("redis", "none")):
+        for kind in kinds[rnd % 3:] + kinds[: rnd % 3]:
             runs[kind].append(run_tidewire(llms[kind], work)["output_tok_s"])
-    stats = llms["redis"].engine.offload.stats
+    traffic = {k: vars(llms[k].engine.offload.stats).copy() for k in kinds[1:]}
     for llm in llms.values():
-        llm.close()
+        llm.close(flush=False)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"output_tok_s": med, "runs": runs, "loss": 1 - med["redis"] / med["none"],
-            "redis_loads": stats.loads, "redis_written_blocks": stats.written_blocks}
+    return {"output_tok_s": med, "runs": runs, "traffic": traffic,
+            "loss": {k: 1 - med[k] / med["none"] for k in kinds[1:]}}
 
 
 def main(a: argparse.Namespace) -> int:
@@ -182,5 +186,6 @@ def _report(result: dict[str, Any]) -> None:
         print(f"Redis loads: {t['redis_load_bytes_per_s'] / 1e6:.0f} MB/s")
     if "no_hit_overhead" in result:
         o = result["no_hit_overhead"]
-        print(f"no-hit workload: tier none {o['output_tok_s']['none']:.1f} tok/s, "
-              f"redis {o['output_tok_s']['redis']:.1f} tok/s, loss {o['loss'] * 100:.1f}%")
+        print(f"no-hit workload: tier none {o['output_tok_s']['none']:.1f} tok/s; " + "; ".join(
+            f"{k} {o['output_tok_s'][k]:.1f} tok/s (loss {o['loss'][k] * 100:.1f}%)"
+            for k in o["loss"]))

@@ -171,3 +171,16 @@ async def test_sync_client_from_a_plain_script(server) -> None:
     r = json.loads(out.decode().strip().splitlines()[-1])
     assert r["status"] == "completed" and r["text"] and 0 < r["tokens"] <= 8 and r["parts"] == 2
     await wait_idle(server)  # the abandoned stream was cancelled
+
+
+async def test_tidewire_chat_cli_streams_an_answer(server) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "clients" / "python")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "tidewire_client.cli", "--url", server.ws_url, "--api-key",
+        "sk-test", "--max-tokens", "12", "--temperature", "0", env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(b"Say hello.\nNow say bye.\n"), 120)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    text, log = out.decode(), err.decode()
+    assert text.count("> ") >= 2 and len(text.replace("> ", "").strip()) > 4  # two answers
+    assert "connected to smollm2-135m" in log and log.count("tok/s") == 2
