@@ -22,7 +22,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ KEY_PREFIX = "tw:kv:v1"
 LAYOUT = "layers,2,block_size,kv_heads,head_dim;v1"  # canonical block layout of the payload
 _KNOWN_LIMIT = 1 << 18  # hashes remembered as already in the tier (write dedupe)
 _STAGING_BYTES = 64 << 20
+_LOOKUP_WAIT_PER_STEP = 0.002
 
 
 def tune_malloc() -> bool:
@@ -93,6 +94,8 @@ class _Load:
     payloads: list[memoryview] | None = None  # set by the worker, then done
     done: bool = False
     cancelled: bool = False
+    found: int = -1  # the tier's contiguous hit count, once looked up (then looked_up set)
+    looked_up: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(eq=False)
@@ -135,6 +138,7 @@ class KVOffload:
         self._pending_writes = 0  # blocks queued or being written
         self._stopping = False
         self._arrived = threading.Event()
+        self._waited = 0.0  # seconds spent this step waiting on lookups
         # Loads land here before going into the cache: allocated and touched once, since
         # faulting in tens of fresh MB per load cost more than the copies themselves.
         block_bytes = math.prod(self.shape) * self.itemsize
@@ -161,12 +165,33 @@ class KVOffload:
             return False  # in-process: a miss costs nothing, skip the LOADING round
         job = _Load(req, num_device_blocks, hashes, keys,
                     time.monotonic() + self.config.load_timeout)
-        self._loads[req.request_id] = job
-        self.stats.loads += 1
         with self._cv:
             self._load_q.append(job)
             self._cv.notify()
+        if self._lookup_misses(job):
+            return False  # nothing in the tier: admit it now instead of a LOADING round
+        self._loads[req.request_id] = job
+        self.stats.loads += 1
         return True
+
+    def new_step(self) -> None:
+        """Reset the per-step budget for waiting on lookups (called before schedule)."""
+        self._waited = 0.0
+
+    def _lookup_misses(self, job: _Load) -> bool:
+        """Wait briefly for a remote lookup: a miss (the common case) answered within
+        the step's small budget (2 ms in all, ~0.2 ms a lookup on a LAN) keeps the
+        request out of LOADING, which would cost it a whole step. A slow Redis costs at
+        most the budget per step, then requests go LOADING as usual."""
+        left = _LOOKUP_WAIT_PER_STEP - self._waited
+        if left > 0 and not job.looked_up.is_set():
+            t0 = time.monotonic()
+            job.looked_up.wait(left)
+            self._waited += time.monotonic() - t0
+        if job.looked_up.is_set() and job.found == 0:
+            job.cancelled = True
+            return True
+        return False
 
     def poll(self) -> list[Request]:
         ended = []
@@ -327,8 +352,9 @@ class KVOffload:
         t0 = time.monotonic()
         payloads: list[memoryview] = []
         if not job.cancelled:
-            n = self.tier.lookup(job.keys)
-            vals = self.tier.get_many(job.keys[:n]) if n else []
+            job.found = n = self.tier.lookup(job.keys)
+            job.looked_up.set()
+            vals = self.tier.get_many(job.keys[:n]) if n and not job.cancelled else []
             for key, h, v in zip(job.keys, job.hashes, vals):
                 if v is None:
                     break  # gone since the lookup: recompute from here

@@ -216,8 +216,10 @@ class LLMEngine:
     # -- the step ----------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        sched = self.scheduler.schedule()
         offload = self.offload
+        if offload is not None:
+            offload.new_step()
+        sched = self.scheduler.schedule()
         if offload is not None:
             offload.capture()  # blocks evicted by this schedule, before the model reuses them
         if sched.empty:

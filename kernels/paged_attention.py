@@ -31,6 +31,32 @@ from kernels._common import check_cache, dot_fp32, dot_precision, next_pow2
 
 
 @triton.jit
+def attend_block(q, k_cache_ptr, v_cache_ptr, phys, kvh, stride_kb, stride_kt, stride_kh,
+                 stride_vb, stride_vt, stride_vh, visible, m_i, l_i, acc, scale,
+                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
+                 DOT_FP32: tl.constexpr):
+    """One online-softmax step over a cache block (physical id `phys`, int64) for the
+    query rows q [M, HEAD_DIM]; `visible` [M, BLOCK_SIZE] says which scores
+    count. Returns the updated (m_i, l_i, acc). Shared by the paged and split-K kernels."""
+    t = tl.arange(0, BLOCK_SIZE)[:, None].to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_cache_ptr + phys * stride_kb + t * stride_kt + kvh * stride_kh + d)
+    v = tl.load(v_cache_ptr + phys * stride_vb + t * stride_vt + kvh * stride_vh + d)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
@@ -78,24 +104,12 @@ def _paged_attention_kernel(
     for j in range(kv_start // BLOCK_SIZE, tl.cdiv(hi, BLOCK_SIZE)):
         phys = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + j).to(tl.int64)
         kpos = j * BLOCK_SIZE + t
-        k = tl.load(k_cache_ptr + phys * stride_kb + t[:, None].to(tl.int64) * stride_kt
-                    + kvh64 * stride_kh + d[None, :])
-        v = tl.load(v_cache_ptr + phys * stride_vb + t[:, None].to(tl.int64) * stride_vt
-                    + kvh64 * stride_vh + d[None, :])
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= kv_start) \
             & (kpos[None, :] < hi)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k_cache_ptr, v_cache_ptr, phys, kvh64, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     visible, m_i, l_i, acc, scale, BLOCK_SIZE, HEAD_DIM,
+                                     PRECISION, DOT_FP32)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]

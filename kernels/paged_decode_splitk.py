@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kernels._common import check_cache, dot_fp32, dot_precision, next_pow2
 from kernels.merge_attn_states import merge_attn_states
+from kernels.paged_attention import attend_block
 
 
 @triton.jit
@@ -53,22 +54,10 @@ def _decode_partition_kernel(
     for j in range(first, last):
         phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
         kpos = j * BLOCK_SIZE + t
-        k = tl.load(k_cache_ptr + phys * stride_kb + t[:, None].to(tl.int64) * stride_kt
-                    + kvh * stride_kh + d[None, :])
-        v = tl.load(v_cache_ptr + phys * stride_vb + t[:, None].to(tl.int64) * stride_vt
-                    + kvh * stride_vh + d[None, :])
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(kpos[None, :] < seq_len, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k_cache_ptr, v_cache_ptr, phys, kvh, stride_kb,
+                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                                     kpos[None, :] < seq_len, m_i, l_i, acc, scale,
+                                     BLOCK_SIZE, HEAD_DIM, PRECISION, DOT_FP32)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(part_ptr + part * stride_pp + seq * stride_pt + head[:, None] * stride_ph
              + d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])

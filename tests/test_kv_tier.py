@@ -391,3 +391,18 @@ def test_write_queue_is_bounded_and_drops_under_backpressure(tiny_models, redis_
         assert off._pending_writes <= 6
     assert off.stats.dropped_writes > 0 and off.stats.written_blocks > 0
     llm.close(flush=False)
+
+
+def test_a_tier_miss_is_admitted_without_a_loading_round(tiny_models, redis_server) -> None:
+    path = tiny_models("llama", 0)
+    ps = prompts(20)
+    llm = _redis_only(path, redis_server.url)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    eng.add(eng.make_request(ps[0], sp, "miss"))
+    eng.step()  # the lookup answered within the step's wait budget: a miss, no LOADING
+    assert not eng.scheduler.loading and eng.offload.stats.loads == 0
+    assert eng.offload.tier.stats.lookups >= 5 and eng.scheduler.running
+    while eng.has_unfinished():
+        eng.step()
+    llm.close(flush=False)
