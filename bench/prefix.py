@@ -15,15 +15,17 @@ import argparse
 import json
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from bench.offline import run_tidewire
 from bench.workloads import chat64
+from bench.ws import free_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -44,15 +46,20 @@ class _PrivateRedis:
         exe = shutil.which("redis-server")
         if exe is None:
             raise FileNotFoundError("redis-server not found (make install puts it there)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"redis://127.0.0.1:{port}/0"
         self.proc = subprocess.Popen(
             [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.3)
+        client = redis.Redis.from_url(self.url)
+        for _ in range(200):  # until it answers PING
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        client.close()
 
     def close(self) -> None:
         self.proc.terminate()

@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -129,7 +129,7 @@ def main(a: argparse.Namespace) -> int:
     print(f"engine alone   {result['engine']['output_tok_s']:8.1f} output tok/s")
     del llm
     gc.collect()
-    port = _free_port()
+    port = free_port()
     proc = _start_server(a, port)
     try:
         url = f"ws://127.0.0.1:{port}/v1/ws"

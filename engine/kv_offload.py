@@ -10,8 +10,10 @@ Engine thread (all bookkeeping, all KV tensor access):
   recompute from the last block that did arrive.
 
 I/O worker thread: lookups, reads (decoded and checked here: a corrupt value is a miss
-and is deleted), and writes (encoded here), loads before writes. The tier is never
-touched by the engine thread, so a slow or dead Redis cannot stall a step.
+and is deleted), and writes (encoded here), loads before writes. A remote tier (Redis)
+is never called from the engine thread, which at most waits on a lookup's answer within
+a 2 ms budget per step: a slow or dead Redis cannot stall a step longer. An in-process
+tier answers the first-block lookup inline (a dict probe under a lock).
 """
 
 from __future__ import annotations
@@ -218,10 +220,6 @@ class KVOffload:
         self._arrived.wait(timeout)
         self._arrived.clear()
 
-    @property
-    def num_loading(self) -> int:
-        return len(self._loads)
-
     def _insert(self, job: _Load) -> None:
         """Put the loaded blocks into free device blocks, cached under their hashes and
         left free (the request's admission takes them as prefix hits)."""
@@ -396,6 +394,3 @@ class KVOffload:
             self._cv.notify_all()
         self._thread.join(timeout=30)
         self.tier.close()
-
-    def state(self) -> str:
-        return self.tier.state()

@@ -189,8 +189,7 @@ class LlamaModel:
             h = self._attention(h, rot, layer, k_cache, v_cache, meta)
             h, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
             x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
-        x, _ = ops.rms_norm(x[logits_rows].contiguous(), self.norm, eps,
-                            residual[logits_rows].contiguous())
+        x, _ = ops.rms_norm(x[logits_rows], self.norm, eps, residual[logits_rows])
         return self.lm_head(x).float()
 
     def _attention(self, h: torch.Tensor, rot: tuple[torch.Tensor, ...],
