@@ -1,8 +1,8 @@
 """asyncio facade over the engine thread.
 
 One dedicated thread owns the LLMEngine (scheduler, blocks, KV tensors, model). The
-event loop talks to it only through a thread-safe inbox of commands (Add / Abort /
-Stop), and the thread publishes each step's outputs with a single
+event loop talks to it only through a thread-safe inbox of commands (Add, abort / park /
+unpark, Stop), and the thread publishes each step's outputs with a single
 `loop.call_soon_threadsafe` — never one callback per token. Detokenization happens on
 the loop side, per stream, off the engine's critical path.
 """
@@ -31,7 +31,8 @@ class _Add:
 
 
 @dataclass
-class _Abort:
+class _Control:
+    op: str  # abort | park | unpark
     request_id: str
 
 
@@ -131,7 +132,7 @@ class AsyncEngine:
         self.handoff = handoff
         self._handed = threading.Event()
         self.engine: LLMEngine = None  # type: ignore[assignment]  # built by the thread
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Control | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -182,7 +183,19 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the engine's next step."""
         if request_id in self._streams:
-            self._inbox.put(_Abort(request_id))
+            self._inbox.put(_Control("abort", request_id))
+
+    def park(self, request_id: str) -> None:
+        """Take a request out of the batch before the next step, freeing its blocks but
+        keeping its state (its client went away and may come back to resume)."""
+        if request_id in self._streams:
+            self._inbox.put(_Control("park", request_id))
+
+    def unpark(self, request_id: str) -> None:
+        """Put a parked request back in the queue; it recomputes its KV (mostly cache
+        hits) and goes on generating where it stopped."""
+        if request_id in self._streams:
+            self._inbox.put(_Control("unpark", request_id))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None,
@@ -259,8 +272,12 @@ class AsyncEngine:
                     r = cmd.request
                     outs.extend(StepOutput(r.request_id, [], finished=True, finish_reason="error",
                                            index=i, error=str(e)) for i in range(r.params.n))
-            else:
+            elif cmd.op == "abort":
                 outs.extend(self.engine.abort([cmd.request_id]))
+            elif cmd.op == "park":
+                self.engine.park([cmd.request_id])
+            else:
+                self.engine.unpark([cmd.request_id])
         return True
 
     def _publish(self, outs: list[StepOutput]) -> None:

@@ -206,6 +206,18 @@ class LLMEngine:
                 outs.append(self._emit(r, [], None))
         return outs
 
+    def park(self, request_ids: list[str]) -> int:
+        """Take requests (by the callers' ids) out of the batch and free their blocks,
+        keeping their tokens, sampler state and detokenizer; unpark() resumes them
+        exactly where they stopped. Returns how many samples were parked."""
+        return len(self.scheduler.park(k for rid in request_ids for k in self._children.get(rid, ())))
+
+    def unpark(self, request_ids: list[str]) -> int:
+        """Requeue parked requests; their prompt and outputs so far are recomputed,
+        mostly as prefix-cache hits."""
+        return len(self.scheduler.unpark(
+            k for rid in request_ids for k in self._children.get(rid, ())))
+
     def request_ids(self) -> list[str]:
         """The callers' ids of every unfinished request."""
         return list(self._children)

@@ -14,6 +14,7 @@ class RequestStatus(enum.Enum):
     LOADING = "loading"  # its prefix blocks are being fetched from the host tier
     RUNNING = "running"
     PREEMPTED = "preempted"
+    PARKED = "parked"  # out of the batch, blocks freed, kept to be resumed (client reconnect)
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

@@ -69,6 +69,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # LOADING: not schedulable until poll() says
+        self.parked: dict[str, Request] = {}  # PARKED: out of the batch until unpark()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._watermark = int(config.watermark * kv.pool.num_blocks)
@@ -118,14 +119,56 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.kv.free(req)
-        req.tier_checked = False  # its blocks may reach the tier before it is readmitted
+        self._release(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req.request_id)  # victims are popped from the tail, past index i,
         self.waiting.appendleft(req)  # so none was scheduled earlier in this step
+
+    def _release(self, req: Request) -> None:
+        """Free a request's blocks; it recomputes (mostly from the prefix cache) later."""
+        self.kv.free(req)
+        req.tier_checked = False  # its blocks may reach the tier before it is readmitted
+        req.num_computed_tokens = 0
+
+    def park(self, request_ids: Iterable[str]) -> list[Request]:
+        """Take requests out of the batch, keeping their tokens: their blocks are freed
+        now (the full ones stay in the prefix cache, or reach the host tier when
+        evicted) and unpark() later requeues them, to recompute like a preempted
+        request. Used while a client reconnects to resume its streams."""
+        parked = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished or req.status is RequestStatus.PARKED:
+                continue
+            self._unqueue(req)
+            self._release(req)
+            req.status = RequestStatus.PARKED
+            self.parked[rid] = req
+            parked.append(req)
+        return parked
+
+    def unpark(self, request_ids: Iterable[str]) -> list[Request]:
+        """Requeue parked requests at the head of the queue, oldest first."""
+        back = [r for r in (self.parked.pop(rid, None) for rid in request_ids) if r is not None]
+        for req in sorted(back, key=lambda r: r.arrival_time, reverse=True):
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        return back
+
+    def _unqueue(self, req: Request) -> None:
+        """Remove an unfinished request from whichever queue holds it."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.LOADING:
+            del self.loading[req.request_id]
+            assert self.tier is not None
+            self.tier.cancel(req)
+        elif req.status is RequestStatus.PARKED:
+            del self.parked[req.request_id]
+        else:
+            self.waiting.remove(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -183,14 +226,7 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue
-            if req.status is RequestStatus.RUNNING:
-                self.running.remove(req)
-            elif req.status is RequestStatus.LOADING:
-                del self.loading[rid]
-                assert self.tier is not None
-                self.tier.cancel(req)
-            else:
-                self.waiting.remove(req)
+            self._unqueue(req)
             self._finish(req, status, remove_running=False)
             done.append(req)
         return done

@@ -111,3 +111,66 @@ def test_sliding_window_caps_the_context(tiny_models) -> None:
     assert llm.engine.max_model_len == 512
     with pytest.raises(ValueError, match="context window of 512"):
         llm.generate([[5] * 500], SamplingParams(max_tokens=20))
+
+
+def _drive(llm: LLM, reqs, park_at: int | None = None, parked=(), hold: int = 0) -> dict:
+    """Step the engine to completion; optionally park `parked` after `park_at` steps and
+    unpark them `hold` steps later. Returns {id: (token ids, text)}."""
+    eng = llm.engine
+    toks: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    text: dict[str, str] = {r.request_id: "" for r in reqs}
+    for r in reqs:
+        eng.add(r)
+    steps = 0
+    while eng.has_unfinished() or eng.scheduler.parked:
+        if steps == park_at:
+            assert eng.park(list(parked)) == len(parked)
+            # Their blocks are free at once: nothing of theirs is left in the block tables.
+            assert not set(parked) & set(eng.kv.tables)
+        if park_at is not None and steps == park_at + hold:
+            assert eng.unpark(list(parked)) == len(parked)
+        for out in eng.step():
+            toks[out.request_id] += out.new_token_ids
+            text[out.request_id] += out.text_delta
+        steps += 1
+    return {rid: (toks[rid], text[rid]) for rid in toks}
+
+
+def test_parked_requests_resume_exactly(tiny_models) -> None:
+    """A parked request (its client reconnecting) frees its blocks, sits out while the
+    batch goes on, then recomputes its prompt and outputs (prefix-cache hits) and goes
+    on exactly: greedy equals HF, a seeded sample equals its uninterrupted run."""
+    path = tiny_models("llama", 0)
+    prompts = random_prompts(4, 20, 60, 320, seed=31)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)
+    kw = dict(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32,
+              debug=True)
+
+    def requests(llm: LLM):
+        return [llm.engine.make_request(p, seeded if i == 3 else GREEDY, f"r{i}")
+                for i, p in enumerate(prompts)]
+
+    base = LLM(**kw)
+    plain = _drive(base, requests(base))
+    llm = LLM(**kw)
+    hits_before = llm.engine.kv.num_hits
+    parked = _drive(llm, requests(llm), park_at=6, parked=("r0", "r3"), hold=5)
+    want = hf_greedy(path, prompts[:3], GREEDY.max_tokens)
+    assert [parked[f"r{i}"][0] for i in range(3)] == want
+    assert parked["r3"] == plain["r3"] and len(parked["r3"][0]) == 24
+    assert llm.engine.kv.num_hits > hits_before  # the resumed ones found their blocks
+    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    assert not llm.engine.scheduler.parked and not llm.engine.scheduler.requests
+
+
+def test_aborting_a_parked_request_finishes_it(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, debug=True)
+    eng = llm.engine
+    eng.add(eng.make_request(random_prompts(1, 20, 20, 320, seed=32)[0], GREEDY, "a"))
+    eng.step()
+    eng.park(["a"])
+    assert not eng.has_unfinished() and eng.num_blocks == eng.kv.num_free_blocks
+    outs = eng.abort(["a"])
+    assert [(o.finished, o.finish_reason) for o in outs] == [(True, "abort")]
+    assert not eng.scheduler.parked and eng.request_ids() == []
