@@ -52,6 +52,7 @@ async def metrics(request: Request) -> Response:
 async def drain(gw: Gateway, grace: float) -> None:
     """Stop accepting, let in-flight streams finish up to `grace` s, then close 1001."""
     gw.accepting = False
+    gw.expire_all()  # parked requests of dropped sockets: nobody can resume them now
     deadline = asyncio.get_running_loop().time() + grace
     while gw.inflight_total and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)

@@ -90,7 +90,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     limits = Limits(max_connections=a.max_connections,
                     max_inflight_per_connection=a.max_inflight_per_connection,
                     max_inflight_per_key=a.max_inflight_per_key, max_queue=a.max_queue,
-                    max_message_bytes=a.max_message_bytes, idle_timeout=a.idle_timeout)
+                    max_message_bytes=a.max_message_bytes, idle_timeout=a.idle_timeout,
+                    resume_grace=a.resume_grace, max_detached=a.max_detached)
     config = ServiceConfig(
         engine=engine, model_name=a.served_model_name or a.model,
         api_keys=ServiceConfig.keys_from_env(a.api_keys),
@@ -118,6 +119,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-bytes", type=int,
                    default=int(_env("MAX_MESSAGE_BYTES", str(1 << 20))))
     p.add_argument("--idle-timeout", type=float, default=float(_env("IDLE_TIMEOUT", "300")))
+    p.add_argument("--resume-grace", type=float, default=float(_env("RESUME_GRACE", "30")),
+                   help="seconds a disconnected socket's requests stay parked (blocks freed) "
+                        "for a reconnect to resume them; 0: a disconnect aborts them")
+    p.add_argument("--max-detached", type=int, default=int(_env("MAX_DETACHED", "1024")),
+                   help="requests parked for resume server-wide; beyond it a disconnect aborts")
     p.add_argument("--ws-compression", action="store_true",
                    default=_env("WS_COMPRESSION", "0") not in ("0", "", "false"),
                    help="offer permessage-deflate (off: it costs ~50 us a frame for deltas "

@@ -18,6 +18,10 @@ class Limits:
     idle_timeout: float = 300.0  # seconds without a message or a request in flight
     slow_consumer_timeout: float = 30.0  # a stream blocked this long on a full socket
     send_queue: int = 256  # control frames queued on a socket before its reads pause
+    # A dropped socket's unfinished requests are parked (out of the batch, blocks freed)
+    # this long for a reconnect to `resume` them; 0 = a disconnect aborts them.
+    resume_grace: float = 30.0
+    max_detached: int = 1024  # requests parked server-wide; past it a disconnect aborts
 
 
 @dataclass(frozen=True)

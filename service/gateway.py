@@ -3,6 +3,7 @@ OpenAI-compatible endpoints: auth, tenancy, limits, prompt building, metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -38,6 +39,16 @@ class Admission:
     principal: Principal
 
 
+@dataclass
+class Detached:
+    """The unfinished requests of a dropped socket, parked until a reconnect resumes
+    them or the grace window closes."""
+
+    key: str | None
+    lives: dict[str, Any]  # client id -> service.ws._Live
+    timer: asyncio.TimerHandle | None = None
+
+
 class Gateway:
     def __init__(self, config: ServiceConfig, engine: AsyncEngine, metrics: Metrics) -> None:
         self.config, self.engine, self.metrics = config, engine, metrics
@@ -45,6 +56,8 @@ class Gateway:
         self.inflight_by_key: dict[str | None, int] = {}
         self.accepting = True
         self.sessions: set = set()  # open WebSocket sessions (service.ws.Session)
+        self.detached: dict[str, Detached] = {}  # by the dropped socket's session id
+        self.num_detached = 0
 
     # -- auth ------------------------------------------------------------------------------
 
@@ -147,6 +160,75 @@ class Gateway:
         except Exception as e:  # noqa: BLE001 - a template error is the client's input
             raise ProtocolError("invalid_request", f"cannot apply the chat template: {e}",
                                 rid) from None
+
+    # -- resume: requests of dropped sockets -------------------------------------------
+
+    def detach(self, session_id: str, principal: Principal, lives: dict[str, Any]) -> list[Any]:
+        """Park a dropped socket's requests (`_Live`s; blocks freed within a step) for
+        `resume_grace` seconds. Returns the ones not kept (resume off, shutting down,
+        or over max_detached): the caller aborts those."""
+        lim = self.config.limits
+        room = lim.max_detached - self.num_detached
+        if lim.resume_grace <= 0 or not self.accepting or room <= 0:
+            self.metrics.resumes.labels("refused").inc(len(lives))
+            return list(lives.values())
+        keep = dict(list(lives.items())[:room])
+        for live in keep.values():
+            if not live.adm.stream.finished:
+                self.engine.park(live.adm.stream.request_id)
+        d = Detached(principal.key, keep)
+        d.timer = asyncio.get_running_loop().call_later(lim.resume_grace, self._expire, session_id)
+        self.detached[session_id] = d
+        self._count(len(keep))
+        self.metrics.resumes.labels("parked").inc(len(keep))
+        return [live for rid, live in lives.items() if rid not in keep]
+
+    def reattach(self, session_id: str, principal: Principal, rid: str, after_seq: int) -> Any:
+        """Hand a parked request to the socket that resumes it (and requeue it), or
+        raise invalid_request."""
+        d = self.detached.get(session_id)
+        live = d.lives.get(rid) if d is not None and d.key == principal.key else None
+        if live is None:
+            raise ProtocolError("invalid_request", f"nothing to resume for {rid!r} in that "
+                                "session: unknown, finished and delivered, or expired", rid)
+        if after_seq > live.seq:
+            raise ProtocolError("invalid_request", f"after_seq {after_seq} is past the last "
+                                f"delta sent ({live.seq})", rid)
+        del d.lives[rid]
+        if not d.lives:
+            self._drop(session_id)
+        self._count(-1)
+        self.metrics.resumes.labels("resumed").inc()
+        if not live.adm.stream.finished:
+            self.engine.unpark(live.adm.stream.request_id)
+        return live
+
+    def _expire(self, session_id: str) -> None:
+        d = self._drop(session_id)
+        if d is None:
+            return
+        self._count(-len(d.lives))
+        self.metrics.resumes.labels("expired").inc(len(d.lives))
+        for live in d.lives.values():
+            if not live.adm.stream.finished:
+                self.engine.abort(live.adm.stream.request_id)
+            if not live.ended:
+                self.release(live.adm, "abort")
+
+    def _drop(self, session_id: str) -> Detached | None:
+        d = self.detached.pop(session_id, None)
+        if d is not None and d.timer is not None:
+            d.timer.cancel()
+        return d
+
+    def _count(self, n: int) -> None:
+        self.num_detached += n
+        self.metrics.detached.set(self.num_detached)
+
+    def expire_all(self) -> None:
+        """Shutdown: nobody will resume now."""
+        for sid in list(self.detached):
+            self._expire(sid)
 
     def release(self, adm: Admission, finish_reason: str | None) -> None:
         """Bookkeeping when a request ends, whatever the way."""

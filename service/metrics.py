@@ -42,6 +42,12 @@ class Metrics:
                                       3e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0),
             registry=r)
         self.connections = Gauge("tidewire_websocket_connections", "Open sockets", registry=r)
+        self.resumes = Counter("tidewire_websocket_resumable_requests", "Requests of dropped "
+                               "sockets by outcome: parked (kept for a reconnect), resumed, "
+                               "expired (grace over), refused (over max_detached)", ["outcome"],
+                               registry=r)
+        self.detached = Gauge("tidewire_websocket_parked_requests", "Requests of dropped sockets "
+                              "waiting for a resume", registry=r)
         # Host tier (cache_store): cumulative counts read from the engine when scraped.
         self.tier_ops = Gauge("tidewire_kv_tier_ops", "Host tier activity by tier: lookups, "
                               "hits, misses, puts, errors", ["tier", "op"], registry=r)

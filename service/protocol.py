@@ -114,6 +114,29 @@ def parse_warm(msg: dict[str, Any]) -> Warm:
     return Warm(rid, _prompt(msg, rid or ""), _messages(msg, rid or ""))
 
 
+@dataclass
+class Resume:
+    id: str
+    after_seq: int
+    session_id: str
+
+
+def parse_resume(msg: dict[str, Any]) -> Resume:
+    """`resume {id, after_seq, session_id}`: session_id is the one the dropped socket's
+    `ready` frame gave; after_seq the last delta seq the client received (0: none)."""
+    rid = request_id(msg)
+    unknown = set(msg) - {"type", "id", "after_seq", "session_id"}
+    if unknown:
+        raise ProtocolError("invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}", rid)
+    seq, sid = msg.get("after_seq", 0), msg.get("session_id")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        raise ProtocolError("invalid_request", "after_seq must be an integer >= 0", rid)
+    if not isinstance(sid, str) or not sid or len(sid) > MAX_ID_LEN:
+        raise ProtocolError("invalid_request",
+                            "session_id (from the dropped socket's ready frame) is required", rid)
+    return Resume(rid, seq, sid)
+
+
 def _prompt(msg: dict[str, Any], rid: str) -> str | list[int] | None:
     if "prompt" in msg:
         if not isinstance(msg["prompt"], str) or not msg["prompt"]:

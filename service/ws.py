@@ -6,7 +6,15 @@ step, whatever the number of streams on it. The writer pulls each stream's pendi
 output (steps that queued up while it was blocked on a full socket are merged into one
 delta, never dropped), builds the frames, encodes and sends them. The send queue holds
 control frames and at most one "pull" marker per request, so it stays small; a writer
-blocked on one send past the slow-consumer timeout gets its requests aborted."""
+blocked on one send past the slow-consumer timeout gets its requests aborted.
+
+Resume: when a socket drops, its unfinished requests are parked in the engine (out of the
+batch, blocks freed within a step, tokens and sampler state kept) for `resume_grace`
+seconds. A new socket of the same key sends `resume {id, after_seq, session_id}`; it gets
+`resumed`, then one delta per sample with everything after `after_seq` (merged, as under
+backpressure), and the request, requeued, goes on streaming where it stopped: its KV is
+recomputed, mostly from the prefix cache. A request that finished while its done frame
+was unsent is replayed the same way."""
 
 from __future__ import annotations
 
@@ -15,7 +23,7 @@ import contextlib
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -23,7 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from engine.outputs import RequestOutput
 from service.gateway import Admission, Gateway, Principal
 from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, ProtocolError,
-                              parse_generate, parse_warm, request_id)
+                              parse_generate, parse_resume, parse_warm, request_id)
 
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
 STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
@@ -43,6 +51,10 @@ class _Live:
     queued: bool = False  # a pull marker for it is in the send queue
     failure: ProtocolError | None = None  # reported before its done (slow_consumer)
     last: RequestOutput | None = None
+    # after delta seq s the client has marks[s-1] = (sample index, its tokens, its chars)
+    marks: list[tuple[int, int, int]] = field(default_factory=list)
+    ended: bool = False  # its done frame is built (tail holds it until it is written)
+    tail: list[dict[str, Any]] = field(default_factory=list)
 
 
 class Session:
@@ -50,6 +62,8 @@ class Session:
         self.ws, self.codec, self.gw, self.principal = ws, codec, gateway, principal
         self.limits = gateway.config.limits
         self.live: dict[str, _Live] = {}
+        self.unsent: dict[str, _Live] = {}  # ended, but the done frame is not written yet
+        self.dropped = False  # the client went away (rather than us closing the socket)
         # frames (dicts), _Live markers (pull that stream now), or _CLOSE; in send order
         self.sendq: deque[Any] = deque()
         self._wake = asyncio.Event()
@@ -63,7 +77,7 @@ class Session:
         tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._watchdog())]
         self._frame({"type": "ready", "session_id": self.session_id,
                      "protocol": self.codec.subprotocol, "model": self.gw.config.model_name,
-                     "limits": self._limits(), "features": ["warm", "cancel", "ping"]})
+                     "limits": self._limits(), "features": self._features()})
         try:
             await self._reader()
         finally:
@@ -79,7 +93,11 @@ class Session:
         lim = self.limits
         return {"max_inflight": lim.max_inflight_per_connection,
                 "max_message_bytes": lim.max_message_bytes,
-                "max_model_len": self.gw.engine.engine.max_model_len}
+                "max_model_len": self.gw.engine.engine.max_model_len,
+                "resume_grace_s": lim.resume_grace}
+
+    def _features(self) -> list[str]:
+        return ["warm", "cancel", "ping"] + (["resume"] if self.limits.resume_grace > 0 else [])
 
     # -- the send side ---------------------------------------------------------------------
 
@@ -112,6 +130,8 @@ class Session:
                     if not await self._send(msg, item.adm.stream.sampled_at
                                             if msg["type"] == "delta" else None):
                         return
+                if item.ended and self.unsent.get(item.rid) is item:
+                    del self.unsent[item.rid]  # its done is written: nothing left to resume
             elif not await self._send(item, None):
                 return
 
@@ -157,7 +177,11 @@ class Session:
             live.track.token(len(out.new_token_ids), self.gw.metrics)
             if out.new_token_ids or out.delta_text:
                 live.seq += 1
-                frames.append(self._delta(live.rid, live.seq, out, live.logprobs))
+                c = out.outputs[out.index]
+                live.marks.append((out.index, len(c.token_ids), len(c.text)))
+                frames.append(self._delta(live.rid, live.seq, out.index, len(out.outputs),
+                                          out.new_token_ids, out.delta_text,
+                                          c.logprobs if live.logprobs else None))
         if stream.finished:
             frames += self._finish(live)
         return frames
@@ -174,6 +198,8 @@ class Session:
                 "internal_error", (last.error if last else None) or "engine failure", live.rid)))
         self._forget(live, reason)
         frames.append(self._done(live.rid, live.adm, last, reason, live.track))
+        live.ended, live.tail = True, frames
+        self.unsent[live.rid] = live
         return frames
 
     def _failed(self, e: ProtocolError) -> dict[str, Any]:
@@ -197,6 +223,7 @@ class Session:
                 await self.ws.close(code=1000, reason="idle timeout")
                 return
             if m["type"] == "websocket.disconnect":
+                self.dropped = True
                 return
             data = m.get("bytes") if m.get("bytes") is not None else m.get("text")
             if data is None:
@@ -228,6 +255,8 @@ class Session:
             self._frame({"type": "pong", "t": msg.get("t")})
         elif kind == "warm":
             self._warm(msg)
+        elif kind == "resume":
+            self._resume(msg)
         else:
             raise ProtocolError("invalid_request", f"unknown message type {kind!r}",
                                 msg.get("id") if isinstance(msg.get("id"), str) else None)
@@ -266,13 +295,63 @@ class Session:
             return
         self._frame({"type": "warmed", "id": rid, **res})
 
+    def _resume(self, msg: dict[str, Any]) -> None:
+        r = parse_resume(msg)
+        if r.id in self.live:
+            raise ProtocolError("duplicate_id", f"request {r.id!r} is already in flight", r.id)
+        if len(self.live) >= self.limits.max_inflight_per_connection:
+            raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
+                                r.id)
+        live = self.gw.reattach(r.session_id, self.principal, r.id, r.after_seq)
+        self._frame({"type": "resumed", "id": r.id, "after_seq": r.after_seq})
+        for frame in self._replay(live, r.after_seq):
+            self._frame(frame)
+        if live.ended:
+            for frame in live.tail:
+                self._frame(frame)
+            return
+        self.live[r.id] = live
+        live.adm.stream.listener = lambda: self._notify(live)
+        self._notify(live)  # whatever arrived while it was parked
+
+    def _replay(self, live: _Live, after_seq: int) -> list[dict[str, Any]]:
+        """Deltas for everything sent after `after_seq`: one per sample, merged."""
+        have: dict[int, tuple[int, int]] = {}
+        for index, ntok, nchar in live.marks[:after_seq]:
+            have[index] = (ntok, nchar)
+        del live.marks[after_seq:]
+        live.seq = after_seq
+        frames = []
+        outputs = live.adm.stream.output.outputs
+        for c in outputs:
+            ntok, nchar = have.get(c.index, (0, 0))
+            if len(c.token_ids) > ntok or len(c.text) > nchar:
+                live.seq += 1
+                live.marks.append((c.index, len(c.token_ids), len(c.text)))
+                frames.append(self._delta(live.rid, live.seq, c.index, len(outputs),
+                                          c.token_ids[ntok:], c.text[nchar:],
+                                          (c.logprobs or []) if live.logprobs else None,
+                                          ntok))
+        return frames
+
     def _close_all(self) -> None:
-        """The client left: abort everything it had in flight (blocks free next step)."""
+        """Our side of the socket is done. If the client dropped, its unfinished
+        requests are parked for a resume (blocks freed next step); otherwise, or past
+        the limits, they are aborted (blocks freed next step)."""
         for t in self.warms:
             t.cancel()
-        for live in list(self.live.values()):
-            self.gw.engine.abort(live.adm.stream.request_id)
-            self._forget(live, "abort")
+        for live in self.live.values():
+            live.adm.stream.listener = None
+            live.queued = False
+        self.sendq.clear()  # markers and frames for a dead socket
+        keep = {**self.unsent, **self.live} if self.dropped else {}
+        refused = self.gw.detach(self.session_id, self.principal, keep) if keep else []
+        for live in (refused if self.dropped else list(self.live.values())):
+            if not live.ended:
+                self.gw.engine.abort(live.adm.stream.request_id)
+                self._forget(live, "abort")
+        self.live.clear()
+        self.unsent.clear()
 
     # -- frames ----------------------------------------------------------------------------
 
@@ -282,16 +361,19 @@ class Session:
                 "cached_tokens": cached_tokens(out), "queue_ms": round(queue_time * 1000, 3)}
 
     @staticmethod
-    def _delta(rid: str, seq: int, out: RequestOutput, with_logprobs: bool) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": "delta", "id": rid, "seq": seq, "text": out.delta_text,
-                             "token_ids": out.new_token_ids}
-        if len(out.outputs) > 1:
-            d["index"] = out.index
-        if with_logprobs:
-            lps = out.outputs[out.index].logprobs or []
+    def _delta(rid: str, seq: int, index: int, n: int, token_ids: list[int], text: str,
+               logprobs: list | None, start: int | None = None) -> dict[str, Any]:
+        """A delta frame; `logprobs` is the sample's cumulative list, whose entries for
+        `token_ids` start at `start` (default: they are its tail)."""
+        d: dict[str, Any] = {"type": "delta", "id": rid, "seq": seq, "text": text,
+                             "token_ids": token_ids}
+        if n > 1:
+            d["index"] = index
+        if logprobs is not None:
+            at = len(logprobs) - len(token_ids) if start is None else start
             d["logprobs"] = [{"token_id": x.token_id, "logprob": x.logprob,
                               "top": [[t, v] for t, v in x.top]}
-                             for x in lps[-len(out.new_token_ids):]] if out.new_token_ids else []
+                             for x in logprobs[at:at + len(token_ids)]] if token_ids else []
         return d
 
     @staticmethod

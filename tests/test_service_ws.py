@@ -57,7 +57,7 @@ class Client:
 async def open_client(server, proto: str = JSON, **kw) -> tuple[object, Client]:
     ws = await connect(server.ws_url, subprotocols=[proto], **kw)
     c = Client(ws, proto)
-    ready = await c.recv()
+    ready = c.ready = await c.recv()
     assert ready["type"] == "ready" and ready["protocol"] == proto
     assert ready["model"] == "smollm2-135m" and ws.subprotocol == proto
     return ws, c
@@ -367,3 +367,119 @@ async def test_per_key_inflight_limit_spans_sockets(tiny_models) -> None:
             await c2.send({"type": "generate", "id": "b", "prompt_token_ids": [6],
                            "params": {"max_tokens": 2}})
             assert (await c2.until_done({"b"}))[-1]["status"] == "completed"
+
+
+async def test_resume_after_a_drop_continues_the_stream_exactly(server) -> None:
+    """A dropped socket's request is parked (blocks freed at once); a new socket resumes
+    it with the last seq it holds, gets what it missed merged into one delta, and the
+    stream goes on to the same greedy text as offline, with exactly one done."""
+    q = "Tell me a long story about a lighthouse."
+    ws, c = await open_client(server)
+    ready_sid = c.ready["session_id"]
+    assert "resume" in c.ready["features"] and c.ready["limits"]["resume_grace_s"] == 30
+    await c.send(gen("story", q, max_tokens=48, ignore_eos=True))
+    deltas = []
+    while len(deltas) < 4:
+        m = await c.recv()
+        if m["type"] == "delta":
+            deltas.append(m)
+    await ws.close()
+    await wait_free(server)  # parked: out of the batch, every block back in the pool
+    assert "story" in server.gateway.detached[ready_sid].lives
+    kept = deltas[:2]  # pretend the last two deltas were lost with the connection
+    ws, c = await open_client(server)
+    async with ws:
+        await c.send({"type": "resume", "id": "story", "after_seq": 2,
+                      "session_id": ready_sid})
+        msgs = await c.until_done({"story"})
+        assert msgs[0] == {"type": "resumed", "id": "story", "after_seq": 2}
+        more = [m for m in msgs if m["type"] == "delta"]
+        assert [d["seq"] for d in more] == list(range(3, 3 + len(more)))
+        lost = deltas[2:]  # come back merged into the first resumed delta
+        assert more[0]["text"].startswith("".join(d["text"] for d in lost))
+        assert more[0]["token_ids"][:4] == sum((d["token_ids"] for d in lost), [])[:4]
+        done = msgs[-1]
+        assert [m["type"] for m in msgs].count("done") == 1 and done["status"] == "completed"
+        assert done["usage"]["completion_tokens"] == 48
+        offline = LLM(model="smollm2-135m", dtype="float32").chat(
+            [[{"role": "user", "content": q}]],
+            SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0]
+        got = kept + more
+        assert "".join(d["text"] for d in got) == offline.text
+        assert sum((d["token_ids"] for d in got), []) == offline.token_ids
+        # It is delivered: there is nothing left to resume.
+        await c.send({"type": "resume", "id": "story", "after_seq": 0, "session_id": ready_sid})
+        err = await c.recv()
+        assert err["type"] == "error" and err["code"] == "invalid_request"
+    assert ready_sid not in server.gateway.detached
+    await wait_free(server)
+
+
+async def test_resume_refusals_expiry_and_a_request_that_finished_while_away(tiny_models) -> None:
+    from tests.servers import http_get
+
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           api_keys={"ka": "alice", "kb": "bob"},
+                           limits=Limits(resume_grace=1.5))
+    alice, bob = {"Authorization": "Bearer ka"}, {"Authorization": "Bearer kb"}
+    with run_server(config) as s:
+        gw = s.gateway
+        ws, c = await open_client(s, additional_headers=alice)
+        sid = c.ready["session_id"]
+        await c.send({"type": "generate", "id": "short", "prompt_token_ids": [5, 6, 7],
+                      "params": {"max_tokens": 6, "ignore_eos": True}})
+        await c.send({"type": "generate", "id": "long", "prompt_token_ids": [8, 9],
+                      "params": {"max_tokens": 900, "ignore_eos": True}})
+        while (await c.recv())["type"] != "start":
+            pass
+        await ws.close()
+        await wait_free(s)
+        assert gw.num_detached == 2 and gw.inflight_total == 2  # parked ones still count
+        ws, c = await open_client(s, additional_headers=bob)
+        async with ws:  # another key cannot see alice's requests
+            await c.send({"type": "resume", "id": "short", "after_seq": 0, "session_id": sid})
+            assert (await c.recv())["code"] == "invalid_request"
+        ws, c = await open_client(s, additional_headers=alice)
+        async with ws:
+            for bad in ({"session_id": "nope", "after_seq": 0}, {"session_id": sid, "after_seq": 99},
+                        {"session_id": sid, "after_seq": -1}, {"after_seq": 0}):
+                await c.send({"type": "resume", "id": "short", **bad})
+                err = await c.recv()
+                assert err["type"] == "error" and err["code"] == "invalid_request", bad
+                assert err["id"] == "short"
+            # "short" finished while nobody listened: all of it, then its done.
+            await c.send({"type": "resume", "id": "short", "after_seq": 0, "session_id": sid})
+            msgs = await c.until_done({"short"})
+            assert msgs[0]["type"] == "resumed"
+            deltas = [m for m in msgs if m["type"] == "delta"]
+            assert [d["seq"] for d in deltas] == list(range(1, len(deltas) + 1))
+            assert len(sum((d["token_ids"] for d in deltas), [])) == 6
+            assert msgs[-1]["status"] == "completed"
+            await asyncio.sleep(2.0)  # "long" outlives the grace window: aborted, released
+            assert gw.num_detached == 0 and gw.inflight_total == 0
+            await c.send({"type": "resume", "id": "long", "after_seq": 0, "session_id": sid})
+            assert (await c.recv())["code"] == "invalid_request"
+        await wait_free(s)
+        metrics = http_get(s.url + "/metrics")[1].decode()
+        assert 'tidewire_websocket_resumable_requests_total{outcome="expired"} 1.0' in metrics
+        assert 'tidewire_websocket_resumable_requests_total{outcome="resumed"} 1.0' in metrics
+
+
+async def test_without_resume_a_drop_aborts(tiny_models) -> None:
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           limits=Limits(resume_grace=0))
+    with run_server(config) as s:
+        ws, c = await open_client(s)
+        assert "resume" not in c.ready["features"]
+        sid = c.ready["session_id"]
+        await c.send({"type": "generate", "id": "a", "prompt_token_ids": [5, 6],
+                      "params": {"max_tokens": 900, "ignore_eos": True}})
+        while (await c.recv())["type"] != "delta":
+            pass
+        await ws.close()
+        await wait_free(s)
+        assert s.gateway.inflight_total == 0 and not s.engine.scheduler.parked
+        ws, c = await open_client(s)
+        async with ws:
+            await c.send({"type": "resume", "id": "a", "after_seq": 1, "session_id": sid})
+            assert (await c.recv())["code"] == "invalid_request"
