@@ -39,6 +39,7 @@ class AsyncStream:
         self._finished = False
         self._texts: Dict[int, List[str]] = {}
         self._tokens: Dict[int, List[int]] = {}
+        self.last_seq = 0  # of the newest delta received: where a resume picks up
 
     def _push(self, item: Any) -> None:
         self._queue.put_nowait(item)
@@ -151,15 +152,21 @@ class AsyncClient:
     `protocol`: "msgpack" (default) or "json"; `timeout`: seconds to wait for any event
     of a stream; `max_retries`: reconnect attempts (with exponential backoff) when a
     new request finds the socket closed. The socket opens on first use (or `connect()`).
-    Streams in flight when the socket drops raise APIConnectionError."""
+
+    `resume` (default on): when the socket drops (not by `close()`) while streams are in
+    flight and the server offers resume, the client reconnects and resumes each of them
+    where it stopped; they see no gap and no duplicate. Otherwise, or if that fails,
+    streams in flight raise APIConnectionError."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, protocol: str = "msgpack",
                  timeout: float = 60.0, connect_timeout: float = 10.0,
-                 max_retries: int = 3) -> None:
+                 max_retries: int = 3, resume: bool = True) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError("protocol must be 'msgpack' or 'json'")
         self.url, self.api_key, self.protocol = url, api_key, protocol
         self.timeout, self.connect_timeout, self.max_retries = timeout, connect_timeout, max_retries
+        self.resume = resume
+        self._closing = False
         self.chat = AsyncChat(self)
         self.completions = AsyncCompletions(self)
         self.ready: Optional[Dict[str, Any]] = None  # the server's `ready` frame
@@ -210,11 +217,12 @@ class AsyncClient:
         if first.get("type") != "ready":
             await ws.close()
             raise APIConnectionError(f"expected a ready frame, got {first!r}")
-        self.ready, self._ws = first, ws
+        self.ready, self._ws, self._closing = first, ws, False
         self._reader = asyncio.create_task(self._read(ws))
 
     async def close(self) -> None:
         """Close the socket; streams still open end with APIConnectionError."""
+        self._closing = True
         ws, self._ws = self._ws, None
         if ws is not None:
             await ws.close()
@@ -251,27 +259,56 @@ class AsyncClient:
 
     async def _read(self, ws: ClientConnection) -> None:
         reason: BaseException = APIConnectionError("connection closed")
+        dropped = False
         try:
             async for data in ws:
                 self._route(self._decode(data))
         except ConnectionClosed as e:
-            reason = APIConnectionError(f"connection lost: {e}")
+            reason, dropped = APIConnectionError(f"connection lost: {e}"), True
         finally:
             if self._ws is ws:
                 self._ws = None
-            for s in self._streams.values():
-                s._push(reason)
+            ready = self.ready or {}
+            if (dropped and self.resume and self._streams and not self._closing
+                    and "resume" in ready.get("features", ())):
+                task = asyncio.ensure_future(self._recover(dict(self._streams),
+                                                           ready["session_id"], reason))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                for s in self._streams.values():
+                    s._push(reason)
             self._streams.clear()
             for f in self._waiters.values():
                 if not f.done():
                     f.set_exception(reason)
             self._waiters.clear()
 
+    async def _recover(self, streams: Dict[str, AsyncStream], session_id: str,
+                       reason: BaseException) -> None:
+        """Reconnect and resume the streams the dropped socket carried; each goes on
+        from the last delta it received (the server parked them meanwhile)."""
+        try:
+            await self.connect()
+            for rid, stream in streams.items():
+                if stream._finished:
+                    continue  # closed by its reader meanwhile: the server lets it expire
+                self._streams[rid] = stream
+                await self._send({"type": "resume", "id": rid, "after_seq": stream.last_seq,
+                                  "session_id": session_id})
+        except TidewireError as e:
+            for rid, stream in streams.items():
+                if self._streams.get(rid, stream) is stream:
+                    self._streams.pop(rid, None)
+                    stream._push(e if isinstance(e, APIConnectionError) else reason)
+
     def _route(self, frame: Dict[str, Any]) -> None:
         kind, rid = frame.get("type"), frame.get("id")
         if kind in ("queued", "start", "delta", "done"):
             stream = self._streams.get(rid)  # type: ignore[arg-type]
             if stream is not None:
+                if kind == "delta":
+                    stream.last_seq = frame["seq"]
                 stream._push(parse_event(frame))
                 if kind == "done":
                     del self._streams[rid]  # type: ignore[arg-type]
