@@ -119,6 +119,8 @@ export declare class Stream implements AsyncIterable<StreamEvent> {
   readonly id: string;
   start: StartEvent | null;
   done: DoneEvent | null;
+  /** seq of the newest delta received (where a resume after a drop picks up) */
+  lastSeq: number;
   [Symbol.asyncIterator](): AsyncIterator<StreamEvent>;
   nextEvent(): Promise<StreamEvent | null>;
   textStream(): AsyncGenerator<string>;
@@ -135,6 +137,8 @@ export interface ClientOptions {
   /** per event of a stream (and per warm/ping reply) */
   timeoutMs?: number;
   maxRetries?: number;
+  /** resume streams in flight after the connection drops (default true) */
+  resume?: boolean;
 }
 
 export declare class TidewireClient {

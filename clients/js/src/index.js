@@ -122,6 +122,7 @@ export class Stream {
     this._finished = false;
     this._texts = [];
     this._tokens = [];
+    this.lastSeq = 0; // of the newest delta received: where a resume picks up
     if (signal) {
       const onAbort = () => this.cancel();
       if (signal.aborted) queueMicrotask(onAbort);
@@ -222,13 +223,16 @@ export class Stream {
  *   new TidewireClient({ url, apiKey, protocol: "json" | "msgpack", timeoutMs, maxRetries })
  * The key travels as the subprotocol `tidewire.auth.<base64url key>` (browsers cannot set
  * headers on a WebSocket); the server never echoes it. The socket opens on first use and
- * reopens, with backoff, for new requests after it drops.
+ * reopens, with backoff, for new requests after it drops. With `resume` (default true),
+ * streams in flight when the connection drops (not by close()) are resumed on a new
+ * socket from their last delta, when the server offers resume: no gap, no duplicate.
  */
 export class TidewireClient {
-  constructor({ url, apiKey, protocol = "json", timeoutMs = 60000, maxRetries = 3 } = {}) {
+  constructor({ url, apiKey, protocol = "json", timeoutMs = 60000, maxRetries = 3, resume = true } = {}) {
     if (!url) throw new TypeError("url is required");
     if (!SUBPROTOCOLS[protocol]) throw new TypeError('protocol must be "json" or "msgpack"');
-    Object.assign(this, { url, apiKey, protocol, timeoutMs, maxRetries });
+    Object.assign(this, { url, apiKey, protocol, timeoutMs, maxRetries, resume });
+    this._closing = false;
     this.ready = null;
     this._ws = null;
     this._opening = null;
@@ -320,9 +324,40 @@ export class TidewireClient {
           : fail(`closed (${ev.code})`);
     });
     this._ws = ws;
+    this._closing = false;
     ws.onmessage = (msg) => this._route(codec.decode(toData(msg.data)));
     ws.onerror = () => {};
-    ws.onclose = (ev) => this._lost(ws, new APIConnectionError(`connection lost (${ev.code})`));
+    ws.onclose = (ev) => this._dropped(ws, ev);
+  }
+
+  _dropped(ws, ev) {
+    const err = new APIConnectionError(`connection lost (${ev.code})`);
+    const ready = this.ready ?? {};
+    const resumable = this.resume && !this._closing && this._streams.size > 0 &&
+      (ready.features ?? []).includes("resume") && ![1000, 1008, 1009].includes(ev.code);
+    if (!resumable) return this._lost(ws, err);
+    const streams = new Map(this._streams);
+    this._streams.clear();
+    this._lost(ws, err);
+    this._recover(streams, ready.session_id, err);
+  }
+
+  /** Reconnect and resume the streams the dropped socket carried (the server parked
+   * them meanwhile); each goes on from the last delta it received. */
+  async _recover(streams, sessionId, err) {
+    try {
+      await this.connect();
+      for (const [id, s] of streams) {
+        if (s._finished) continue; // closed by its reader meanwhile: the server lets it expire
+        this._streams.set(id, s);
+        this._send({ type: "resume", id, after_seq: s.lastSeq, session_id: sessionId });
+      }
+    } catch (e) {
+      for (const [id, s] of streams) {
+        if (this._streams.get(id) === s) this._streams.delete(id);
+        s._push(e instanceof APIConnectionError ? e : err);
+      }
+    }
   }
 
   _lost(ws, err) {
@@ -338,6 +373,7 @@ export class TidewireClient {
     if (type === "queued" || type === "start" || type === "delta" || type === "done") {
       const s = this._streams.get(id);
       if (s) {
+        if (type === "delta") s.lastSeq = frame.seq;
         s._push(frame);
         if (type === "done") this._streams.delete(id);
       }
@@ -433,6 +469,7 @@ export class TidewireClient {
 
   /** Close the socket; open streams end with APIConnectionError. */
   close() {
+    this._closing = true;
     const ws = this._ws;
     if (ws) {
       this._lost(ws, new APIConnectionError("client closed"));

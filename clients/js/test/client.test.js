@@ -114,3 +114,30 @@ test("errors map to typed exceptions", async () => {
   const dead = new TidewireClient({ url: "ws://127.0.0.1:9/v1/ws", maxRetries: 0 });
   await assert.rejects(dead.chat.create({ messages: ask("x") }), APIConnectionError);
 });
+
+test("streams survive a dropped connection (resumed on a new socket)", async () => {
+  const c = client({ protocol: "msgpack" });
+  const params = { max_tokens: 32, temperature: 0, ignore_eos: true };
+  const qs = ["Describe the sea.", "Describe a forest."];
+  const want = [];
+  for (const q of qs) want.push(await c.chat.create({ messages: ask(q), ...params }));
+  const first = c.ready.session_id;
+  const streams = await Promise.all(qs.map((q) => c.chat.stream({ messages: ask(q), ...params })));
+  const got = qs.map(() => []);
+  for (const [i, s] of streams.entries()) {
+    while (got[i].length < 2) {
+      const ev = await s.nextEvent();
+      if (ev.type === "delta") got[i].push(ev);
+    }
+  }
+  c._ws.terminate(); // the TCP connection dies without a close frame
+  for (const [i, s] of streams.entries()) {
+    for await (const ev of s) if (ev.type === "delta") got[i].push(ev);
+    assert.equal(s.done.status, "completed");
+    assert.equal(s.done.usage.completion_tokens, 32);
+    assert.deepEqual(got[i].map((d) => d.seq), got[i].map((_, j) => j + 1));
+    assert.equal(got[i].map((d) => d.text).join(""), want[i].text);
+    assert.deepEqual(got[i].flatMap((d) => d.token_ids), want[i].tokenIds[0]);
+  }
+  assert.notEqual(c.ready.session_id, first);
+});
