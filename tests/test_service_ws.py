@@ -206,7 +206,8 @@ async def test_msgpack_and_json_give_identical_event_sequences(server) -> None:
 
 async def test_fuzzed_frames_leave_the_server_healthy(server) -> None:
     rng = random.Random(1234)
-    keys = ["type", "id", "prompt", "messages", "params", "prompt_token_ids", "t", "x"]
+    keys = ["type", "id", "prompt", "messages", "params", "prompt_token_ids", "t", "x",
+            "after_seq", "session_id"]
     values = [None, 0, -1, 1.5, "", "generate", "cancel", "ping", [], {}, [1, "a"],
               {"max_tokens": -3}, {"temperature": "hot"}, "a" * 50, [{"role": 1}], True]
     ws, c = await open_client(server)
@@ -219,7 +220,7 @@ async def test_fuzzed_frames_leave_the_server_healthy(server) -> None:
             else:
                 msg = {rng.choice(keys): rng.choice(values) for _ in range(rng.randint(0, 5))}
                 if kind < 0.6:
-                    msg["type"] = rng.choice(["generate", "cancel", "ping", "warm", "?"])
+                    msg["type"] = rng.choice(["generate", "cancel", "ping", "warm", "resume", "?"])
                 if msg.get("type") == "generate":
                     msg["params"] = {"max_tokens": 1}
                 await ws.send(json.dumps(msg))
