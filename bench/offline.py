@@ -18,7 +18,7 @@ from bench.workloads import BenchRequest, chat64
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -139,15 +139,16 @@ def profile_decode_step(llm: Any, batch: int = 64, ctx: int = 200) -> dict:
 def main(a: argparse.Namespace) -> int:
     from engine import LLM
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[a.dtype]
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens)
+    dtype = llm.engine.dtype  # what "auto" resolved to: the baseline runs the same
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     print(f"workload: {len(work)} requests, prompts {min(len(r.prompt_token_ids) for r in work)}-"
           f"{max(len(r.prompt_token_ids) for r in work)} tokens, outputs "
           f"{sum(r.max_tokens for r in work)} tokens total; torch threads {torch.get_num_threads()}")
     hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype)
-    result: dict[str, Any] = {"workload": "chat-64", "dtype": a.dtype, "model": a.model}
+    result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
+                              "model": a.model}
     if not a.skip_throughput:
         _throughput(llm, hf, work, a, result)
     ss = single_stream(llm, hf, work[0].prompt_token_ids[:32], a.single_stream_tokens)

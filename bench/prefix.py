@@ -30,7 +30,7 @@ from bench.ws import free_port
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--redis-url", default=None, help="default: start a private redis-server")

@@ -23,7 +23,7 @@ from bench.workloads import BenchRequest, chat64
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -124,7 +124,8 @@ def main(a: argparse.Namespace) -> int:
               max_num_batched_tokens=a.max_num_batched_tokens)
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     run_tidewire(llm, work[:4])
-    result: dict[str, Any] = {"workload": "chat-64", "dtype": a.dtype, "protocol": a.protocol}
+    result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
+                              "protocol": a.protocol}
     result["engine"] = run_tidewire(llm, work)
     print(f"engine alone   {result['engine']['output_tok_s']:8.1f} output tok/s")
     del llm

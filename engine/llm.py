@@ -22,7 +22,7 @@ class LLM:
     def __init__(
         self,
         model: str = DEFAULT_MODEL,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         max_num_batched_tokens: int = 512,

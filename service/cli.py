@@ -13,8 +13,9 @@ from engine.loader import DEFAULT_MODEL
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=_env("MODEL", DEFAULT_MODEL),
                    help="registry name or HF directory")
-    p.add_argument("--dtype", default=_env("DTYPE", "bfloat16"),
-                   choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default=_env("DTYPE", "auto"),
+                   choices=["auto", "bfloat16", "float32", "float16"],
+                   help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32")
     p.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int,

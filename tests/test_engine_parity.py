@@ -174,3 +174,16 @@ def test_aborting_a_parked_request_finishes_it(tiny_models) -> None:
     outs = eng.abort(["a"])
     assert [(o.finished, o.finish_reason) for o in outs] == [(True, "abort")]
     assert not eng.scheduler.parked and eng.request_ids() == []
+
+
+def test_auto_dtype_follows_the_cpu(tiny_models) -> None:
+    """auto = bfloat16 only where the CPU computes bf16 natively (AVX512-BF16 / AMX)."""
+    from engine.llm_engine import fast_dtype
+
+    flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    native = bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    assert fast_dtype("cpu") == ("bfloat16" if native else "float32")
+    assert fast_dtype("cuda") == "bfloat16"
+    llm = LLM(model=str(tiny_models("llama", 0)))
+    assert llm.engine.dtype_name == fast_dtype("cpu")
+    assert str(llm.engine.dtype) == f"torch.{fast_dtype('cpu')}"
