@@ -91,6 +91,13 @@ class IncrementalDetokenizer:
         is found (`stop_hit`), the text ends just before it and nothing more comes."""
         if self.tok is None or self.stop_hit is not None:
             return ""
+        if self.table is not None and not self.stop:  # the common case, per token per step
+            t = self.table
+            piece = self._utf8.decode(b"".join([t[i] for i in new_ids]), final)  # type: ignore[union-attr]
+            if piece:
+                self.text += piece
+                self.emitted = len(self.text)
+            return piece
         before = len(self.text)
         if self.table is not None:
             self._decode_bytes(new_ids, final)

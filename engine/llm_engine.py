@@ -275,22 +275,27 @@ class LLMEngine:
         return outs
 
     def _emit(self, r: Request, new: list[int], logprobs: list | None) -> StepOutput:
-        """Detokenize the new tokens, apply stop strings, clean up a finished sample."""
+        """Detokenize the new tokens, apply stop strings, clean up a finished sample.
+        (Runs for every request every step, before the step's outputs go out.)"""
         detok = self._detoks.get(r.request_id)
         delta = ""
+        finished = r.status.finished
         if detok is not None:
-            delta = detok.push(new, final=r.status.finished)
+            delta = detok.push(new, final=finished)
             if detok.stop_hit is not None:
                 r.stop_reason = detok.stop_hit
-                if not r.status.finished:
+                if not finished:
                     self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED)
-        if r.status.finished:
+                    finished = True
+        if finished:
             self._finished(r)
-        queued = (r.first_scheduled_time or r.arrival_time) - r.arrival_time
-        cached = max(r.num_cached_tokens, 0)
-        return StepOutput(r.parent_id, new, delta, r.status.finished, r.finish_reason, r.index,
-                          r.num_prompt_tokens, cached, logprobs, r.stop_reason, None, queued,
-                          0.0, min(r.num_host_cached_tokens, cached))
+        first = r.first_scheduled_time
+        cached = r.num_cached_tokens if r.num_cached_tokens > 0 else 0
+        host = r.num_host_cached_tokens
+        return StepOutput(r.parent_id, new, delta, finished, r.finish_reason, r.index,
+                          len(r.prompt_token_ids), cached, logprobs, r.stop_reason, None,
+                          first - r.arrival_time if first else 0.0, 0.0,
+                          host if host < cached else cached)
 
     def _finished(self, r: Request) -> None:
         self.runner.release(r.request_id)

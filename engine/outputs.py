@@ -15,7 +15,7 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
-@dataclass
+@dataclass(slots=True)
 class StepOutput:
     """What one engine step produced for one sample (`index`) of one request."""
 

@@ -20,9 +20,9 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_ERROR = "finished_error"
 
-    @property
-    def finished(self) -> bool:
-        return self.value.startswith("finished")
+    def __init__(self, value: str) -> None:
+        # a plain attribute: read several times per request per step
+        self.finished = value.startswith("finished")
 
 
 FINISH_REASONS: dict[RequestStatus, str] = {

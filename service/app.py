@@ -61,7 +61,22 @@ async def drain(gw: Gateway, grace: float) -> None:
             await session.ws.close(code=1001, reason="server shutting down")
 
 
-def create_app(config: ServiceConfig) -> Starlette:
+class RawSend:
+    """Outermost ASGI layer: puts the server's own `send` into a WebSocket's scope, so
+    the socket's hot path (a data frame per stream per step) can call it directly,
+    without the per-message wrappers of Starlette's middleware stack."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] == "websocket":
+            scope["tidewire.asgi_send"] = send
+        await self.app(scope, receive, send)
+
+
+def create_app(config: ServiceConfig) -> RawSend:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine = AsyncEngine(config.engine)
@@ -86,4 +101,4 @@ def create_app(config: ServiceConfig) -> Starlette:
         *([Mount("/sdk", StaticFiles(directory=JS_SDK), name="sdk")] if JS_SDK.is_dir() else []),
         Mount("/", StaticFiles(directory=STATIC, html=True), name="static"),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return RawSend(Starlette(routes=routes, lifespan=lifespan))

@@ -57,6 +57,7 @@ class Gateway:
         self.accepting = True
         self.sessions: set = set()  # open WebSocket sessions (service.ws.Session)
         self.detached: dict[str, Detached] = {}  # by the dropped socket's session id
+        self._later: list[tuple[Any, Any]] = []
         self.num_detached = 0
 
     # -- auth ------------------------------------------------------------------------------
@@ -160,6 +161,18 @@ class Gateway:
         except Exception as e:  # noqa: BLE001 - a template error is the client's input
             raise ProtocolError("invalid_request", f"cannot apply the chat template: {e}",
                                 rid) from None
+
+    def later(self, fn: Any, arg: Any) -> None:
+        """Call fn(arg) once the current callback is over: per-delta metrics are
+        recorded after a step's fan-out rather than in front of the next socket."""
+        if not self._later:
+            asyncio.get_running_loop().call_soon(self._flush_later)
+        self._later.append((fn, arg))
+
+    def _flush_later(self) -> None:
+        todo, self._later = self._later, []
+        for fn, arg in todo:
+            fn(arg)
 
     # -- resume: requests of dropped sockets -------------------------------------------
 

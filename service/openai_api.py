@@ -184,7 +184,7 @@ async def _whole(gw: Gateway, adm: Admission, meta: dict[str, Any], chat: bool) 
     track = Timings(adm.arrival)
     try:
         async for last in adm.stream:
-            track.token(len(last.new_token_ids), gw.metrics)
+            track.token(len(last.new_token_ids), gw)
         reason = last.finish_reason if last else "error"
     finally:
         if not adm.stream.finished:
@@ -228,7 +228,7 @@ async def _sse(gw: Gateway, adm: Admission, meta: dict[str, Any], chat: bool,
                                        "finish_reason": None}
                                       for i in range(len(adm.stream.output.outputs))])
         async for last in adm.stream:
-            track.token(len(last.new_token_ids), gw.metrics)
+            track.token(len(last.new_token_ids), gw)
             done = last.outputs[last.index].finish_reason
             if not (last.delta_text or last.new_token_ids or done):
                 continue

@@ -57,6 +57,17 @@ class _Live:
     tail: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class _Resume:
+    """A frame whose send suspended in dispatch (flow control), and the frames after it."""
+
+    coro: Any
+    awaiting: Any
+    msg: dict[str, Any]
+    rest: list[dict[str, Any]]
+    live: _Live
+
+
 class Session:
     def __init__(self, ws: WebSocket, codec: Codec, gateway: Gateway, principal: Principal) -> None:
         self.ws, self.codec, self.gw, self.principal = ws, codec, gateway, principal
@@ -70,6 +81,11 @@ class Session:
         self._drained = asyncio.Event()  # the reader waits on it while sendq is over limit
         self._drained.set()
         self._sending_since: float | None = None
+        self._busy = False  # the writer task has frames to send or a send in flight
+        self._dead = False  # a send failed: the socket is gone
+        # The server's own ASGI send (stashed by service.app.RawSend): data frames skip
+        # Starlette's per-message state checks and exception-handling wrappers.
+        self._asgi_send = ws.scope.get("tidewire.asgi_send") or ws._send
         self.warms: set[asyncio.Task[None]] = set()
         self.session_id = uuid.uuid4().hex
 
@@ -108,48 +124,131 @@ class Session:
             self._drained.clear()  # stop reading this client until it reads its frames
 
     def _notify(self, live: _Live) -> None:
-        """A stream has output (called from the engine's dispatch, on the loop thread)."""
-        if not live.queued:
+        """A stream has output (called from the engine's dispatch, on the loop thread).
+
+        When nothing is queued or in flight on this socket, its frames are written right
+        here, synchronously: the server's ASGI send completes without suspending while
+        the transport accepts data, so each socket costs one pass through the send path
+        and no task wake-up. Otherwise (or if a send does suspend: flow control) the
+        writer task takes over, in order."""
+        if live.queued:
+            return
+        if self.sendq or self._busy or self._dead:
             live.queued = True
             self.sendq.append(live)
             self._wake.set()
+            return
+        frames = self._pull(live)
+        for i, msg in enumerate(frames):
+            sent = self._send_now(msg, live)
+            if sent is True:
+                continue
+            if sent is not None:  # suspended mid-send: the writer finishes it, then the rest
+                self._busy = True
+                self.sendq.append(_Resume(sent[0], sent[1], msg, frames[i + 1:], live))
+                self._wake.set()
+            return
+        self._delivered(live)
+
+    def _send_now(self, msg: dict[str, Any], live: _Live | None) -> Any:
+        """Run the ASGI send of one frame up to its first suspension. True: written;
+        None: the socket is gone; else (coroutine, what it awaits) to finish later."""
+        coro = self._asgi_send(self._message(msg))
+        try:
+            awaiting = coro.send(None)
+        except StopIteration:
+            self._written(msg, live)
+            return True
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self._dead = True  # the reader sees the disconnect and parks or aborts everything
+            return None
+        return coro, awaiting
+
+    def _message(self, msg: dict[str, Any]) -> dict[str, Any]:
+        data = self.codec.encode(msg)
+        if isinstance(data, bytes):
+            return {"type": "websocket.send", "bytes": data}
+        return {"type": "websocket.send", "text": data}
+
+    def _written(self, msg: dict[str, Any], live: _Live | None) -> None:
+        if live is not None and msg["type"] == "delta":
+            self.gw.later(self.gw.metrics.delivery.observe,
+                          time.monotonic() - live.adm.stream.sampled_at)
+
+    def _delivered(self, live: _Live) -> None:
+        if live.ended and self.unsent.get(live.rid) is live:
+            del self.unsent[live.rid]  # its done is written: nothing left to resume
 
     async def _writer(self) -> None:
         q, wake = self.sendq, self._wake
         while True:
             while not q:
+                self._busy = False
                 wake.clear()
                 await wake.wait()
+            self._busy = True
             item = q.popleft()
             if item is _CLOSE:
                 return
             if not self._drained.is_set() and len(q) <= self.limits.send_queue // 2:
                 self._drained.set()
-            if isinstance(item, _Live):
-                for msg in self._pull(item):
-                    if not await self._send(msg, item.adm.stream.sampled_at
-                                            if msg["type"] == "delta" else None):
-                        return
-                if item.ended and self.unsent.get(item.rid) is item:
-                    del self.unsent[item.rid]  # its done is written: nothing left to resume
-            elif not await self._send(item, None):
-                return
+            if isinstance(item, _Resume):
+                if not await self._finish_send(item.coro, item.awaiting):
+                    return
+                self._written(item.msg, item.live)
+                frames, live = item.rest, item.live
+            elif isinstance(item, _Live):
+                frames, live = self._pull(item), item
+            else:
+                frames, live = [item], None
+            for msg in frames:
+                if not await self._send(msg, live):
+                    return
+            if live is not None:
+                self._delivered(live)
 
-    async def _send(self, msg: dict[str, Any], sampled_at: float | None) -> bool:
-        data = self.codec.encode(msg)
+    async def _send(self, msg: dict[str, Any], live: _Live | None) -> bool:
+        coro = self._asgi_send(self._message(msg))
         self._sending_since = time.monotonic()
         try:
-            if isinstance(data, bytes):
-                await self.ws.send_bytes(data)
-            else:
-                await self.ws.send_text(data)
+            await coro
         except (WebSocketDisconnect, RuntimeError, OSError):
-            return False  # gone: the reader sees the disconnect and aborts everything
+            self._dead = True
+            return False  # gone: the reader sees the disconnect and parks or aborts everything
         finally:
             self._sending_since = None
-        if sampled_at:
-            self.gw.metrics.delivery.observe(time.monotonic() - sampled_at)
+        self._written(msg, live)
         return True
+
+    async def _finish_send(self, coro: Any, awaiting: Any) -> bool:
+        """Drive a send that suspended in _send_now to its end: wait for what it
+        awaits, then resume it, until it returns."""
+        self._sending_since = time.monotonic()
+        try:
+            while True:
+                try:
+                    if awaiting is None:
+                        await asyncio.sleep(0)  # a bare yield
+                    else:
+                        # as a Task does with what its coroutine yields: clear the flag
+                        # the future set when it was yielded, then wait for it
+                        awaiting._asyncio_future_blocking = False
+                        await awaiting
+                except asyncio.CancelledError:
+                    if awaiting is None or not awaiting.cancelled():
+                        raise  # we are cancelled, not what it awaited
+                except Exception:  # noqa: BLE001 - it raises inside the send, below
+                    pass
+                try:
+                    awaiting = coro.send(None)
+                except StopIteration:
+                    return True
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self._dead = True
+            return False
+        finally:
+            coro.close()
+            self._sending_since = None
 
     async def _watchdog(self) -> None:
         """A send blocked past the timeout means the client is not reading: abort its
@@ -174,7 +273,7 @@ class Session:
             if not live.started:
                 live.started = True
                 frames.append(self._start(live.rid, out, stream.queue_time))
-            live.track.token(len(out.new_token_ids), self.gw.metrics)
+            live.track.token(len(out.new_token_ids), self.gw)
             if out.new_token_ids or out.delta_text:
                 live.seq += 1
                 c = out.outputs[out.index]
@@ -408,15 +507,17 @@ class Timings:
         self.first: float | None = None
         self.last = arrival
 
-    def token(self, n: int, metrics: Any) -> None:
-        now = time.monotonic()
+    def token(self, n: int, gw: Gateway) -> None:
+        """n tokens delivered now (metrics are recorded after the step's fan-out)."""
         if n:
+            now = time.monotonic()
+            m = gw.metrics
             if self.first is None:
                 self.first = now
-                metrics.ttft.observe(now - self.arrival)
+                gw.later(m.ttft.observe, now - self.arrival)
             else:
-                metrics.itl.observe(now - self.last)
-            metrics.output_tokens.inc(n)
+                gw.later(m.itl.observe, now - self.last)
+            gw.later(m.output_tokens.inc, n)
             self.last = now
 
     def summary(self, completion: int, queue_time: float) -> dict[str, float]:
