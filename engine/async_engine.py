@@ -85,19 +85,27 @@ class RequestStream:
         assert out is not None
         return out
 
-    def take(self) -> RequestOutput | None:
+    def take_step(self) -> StepOutput | None:
         """The next delta without waiting (consecutive steps of one sample merged into
-        one), or None when nothing is pending."""
-        if not self._pending:
+        one), already folded into `output`; None when nothing is pending."""
+        pending = self._pending
+        if not pending:
             return None
-        step = self._pending.popleft()
-        while self._pending and self._pending[0].index == step.index and not step.finished:
-            step = _merge(step, self._pending.popleft())
+        step = pending.popleft()
+        while pending and pending[0].index == step.index and not step.finished:
+            step = _merge(step, pending.popleft())
         o = self.output
         o.apply(step)
         self.queue_time = step.queue_time
         self.sampled_at = step.sampled_at  # of the oldest token in this (merged) delta
         self.finished = o.finished
+        return step
+
+    def take(self) -> RequestOutput | None:
+        """take_step() as a RequestOutput: the delta plus the cumulative samples."""
+        if self.take_step() is None:
+            return None
+        o = self.output
         return RequestOutput(o.request_id, o.prompt_token_ids, o.outputs, o.finished,
                              o.num_cached_tokens, o.index, o.new_token_ids, o.delta_text, o.error,
                              o.num_host_cached_tokens)

@@ -94,5 +94,7 @@ class RequestOutput:
         self.num_cached_tokens = max(self.num_cached_tokens, step.num_cached_tokens)
         self.num_host_cached_tokens = max(self.num_host_cached_tokens,
                                           step.num_host_cached_tokens)
-        self.error = step.error or self.error
-        self.finished = all(o.finished for o in self.outputs)
+        if step.error:
+            self.error = step.error
+        outs = self.outputs
+        self.finished = out.finished if len(outs) == 1 else all(o.finished for o in outs)

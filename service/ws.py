@@ -268,19 +268,20 @@ class Session:
         """Frames for everything the stream has produced since the last pull."""
         live.queued = False
         stream, frames = live.adm.stream, []
-        while (out := stream.take()) is not None:
+        out = stream.output  # cumulative; each step below is already folded into it
+        while (step := stream.take_step()) is not None:
             live.last = out
             if not live.started:
                 live.started = True
                 frames.append(self._start(live.rid, out, stream.queue_time))
-            live.track.token(len(out.new_token_ids), self.gw)
-            if out.new_token_ids or out.delta_text:
+            new = step.new_token_ids
+            live.track.token(len(new), self.gw)
+            if new or step.text_delta:
                 live.seq += 1
-                c = out.outputs[out.index]
-                live.marks.append((out.index, len(c.token_ids), len(c.text)))
-                frames.append(self._delta(live.rid, live.seq, out.index, len(out.outputs),
-                                          out.new_token_ids, out.delta_text,
-                                          c.logprobs if live.logprobs else None))
+                c = out.outputs[step.index]
+                live.marks.append((step.index, len(c.token_ids), len(c.text)))
+                frames.append(self._delta(live.rid, live.seq, step.index, len(out.outputs), new,
+                                          step.text_delta, c.logprobs if live.logprobs else None))
         if stream.finished:
             frames += self._finish(live)
         return frames
