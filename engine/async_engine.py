@@ -139,6 +139,7 @@ class AsyncEngine:
         self.config = config
         self.handoff = handoff
         self._handed = threading.Event()
+        self._handed_off = False  # this iteration's outputs went out
         self.engine: LLMEngine = None  # type: ignore[assignment]  # built by the thread
         self._inbox: queue.SimpleQueue[_Add | _Control | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -245,12 +246,13 @@ class AsyncEngine:
                 if not self._drain(block=not eng.has_unfinished(), outs=outs):
                     break
                 if eng.has_unfinished():
-                    outs.extend(eng.step())
-                if outs:
-                    self._handed.clear()
-                    self._publish(outs)
-                    if self.handoff > 0:
-                        self._handed.wait(self.handoff)
+                    # published before the step's block bookkeeping, with the aborts
+                    eng.step(lambda step_outs: self._hand_off(outs + step_outs))
+                    if outs and not self._handed_off:
+                        self._hand_off(outs)  # the step ran nothing
+                else:
+                    self._hand_off(outs)
+                self._handed_off = False
         except BaseException as e:  # the engine is broken: fail every request, loudly
             log.exception("engine thread died")
             self.dead = e
@@ -287,6 +289,16 @@ class AsyncEngine:
             else:
                 self.engine.unpark([cmd.request_id])
         return True
+
+    def _hand_off(self, outs: list[StepOutput]) -> None:
+        """Publish, then give the loop the time to send them (see `handoff`)."""
+        self._handed_off = True
+        if not outs:
+            return
+        self._handed.clear()
+        self._publish(outs)
+        if self.handoff > 0:
+            self._handed.wait(self.handoff)
 
     def _publish(self, outs: list[StepOutput]) -> None:
         assert self._loop is not None

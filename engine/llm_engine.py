@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -243,7 +244,12 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------
 
-    def step(self) -> list[StepOutput]:
+    def step(self, publish: Callable[[list[StepOutput]], None] | None = None
+             ) -> list[StepOutput]:
+        """Run one iteration; returns its outputs. `publish`, if given, gets them as
+        soon as they exist (sampled, detokenized), before the step's block bookkeeping
+        (prefix-cache publishing, freeing finished requests, write-through), which runs
+        after it returns. It is not called for a step that ran nothing."""
         offload = self.offload
         if offload is not None:
             offload.new_step()
@@ -256,9 +262,7 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(sched)
         now = time.monotonic()
-        touched = self.scheduler.update(sched, {k: t for k, (t, _) in sampled.items()})
-        if offload is not None and self.kv.new_prompt_blocks:
-            offload.write_through()
+        touched = self.scheduler.advance(sched, {k: t for k, (t, _) in sampled.items()})
         self.num_steps += 1
         outs = []
         for r in touched:
@@ -266,10 +270,17 @@ class LLMEngine:
             out = self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp])
             out.sampled_at = now
             outs.append(out)
-            siblings = self._siblings.pop(r.request_id, None)
-            if siblings:  # the prompt is computed and cached: the other samples may start
-                for sib in siblings:
-                    self.scheduler.add(sib)
+        if publish is not None:
+            publish(outs)
+        self.scheduler.commit(sched)
+        if offload is not None and self.kv.new_prompt_blocks:
+            offload.write_through()
+        if self._siblings:
+            for r in touched:
+                siblings = self._siblings.pop(r.request_id, None)
+                if siblings:  # the prompt is computed and cached: the other samples may start
+                    for sib in siblings:
+                        self.scheduler.add(sib)
         if self.config.debug:
             self.kv.check_integrity()
         return outs

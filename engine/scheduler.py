@@ -70,6 +70,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, Request] = {}  # LOADING: not schedulable until poll() says
         self.parked: dict[str, Request] = {}  # PARKED: out of the batch until unpark()
+        self._finishing: list[Request] = []  # finished by advance(), freed by commit()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._watermark = int(config.watermark * kv.pool.num_blocks)
@@ -198,17 +199,26 @@ class Scheduler:
             budget -= n
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, finish and free requests.
+        """advance() then commit(): the whole post-step update at once."""
+        touched = self.advance(out, sampled)
+        self.commit(out)
+        return touched
+
+    def advance(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, set the finished status.
+        commit() must follow before the next schedule(): the engine publishes the step's
+        outputs in between, so the block bookkeeping is not in front of them.
 
         `sampled` maps request id -> token for the requests that sampled this step.
         Returns the requests that produced a token or finished this step."""
         touched: list[Request] = []
+        finishing = self._finishing
+        running = RequestStatus.RUNNING
         for s in out.scheduled:
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -216,8 +226,19 @@ class Scheduler:
             touched.append(req)
             status = req.check_stop()
             if status is not None:
-                self._finish(req, status)
+                req.status = status
+                finishing.append(req)
         return touched
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Publish the blocks the step filled to the prefix cache, then free the
+        requests that finished (their full blocks stay cached)."""
+        for s in out.scheduled:
+            self.kv.cache_full_blocks(s.request)  # (a no-op for one aborted meanwhile)
+        for req in self._finishing:
+            if req.request_id in self.requests:  # not aborted between advance and commit
+                self._finish(req, req.status)
+        self._finishing.clear()
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Abort (or fail) requests wherever they are; their blocks are freed now."""
