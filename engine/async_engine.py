@@ -128,14 +128,15 @@ class AsyncEngine:
     and the engine's own parallel regions then ran 4-10x slower on this 2-core machine;
     see README.md, "Performance notes".)"""
 
-    def __init__(self, config: EngineConfig, handoff: float = 0.002) -> None:
+    def __init__(self, config: EngineConfig, handoff: float = 0.005) -> None:
         """`handoff`: after publishing a step, the engine thread waits up to this many
         seconds for the event loop to take the outputs and run the tasks they woke (the
         socket writers) before it starts the next step (0: never waits). Without it the
         loop had to win the GIL back from the next step's Python work (0.4 ms on average
         before dispatch even began) and the writers were stretched by the same
-        contention. The wait is about what the fan-out costs (~1-2 ms at 64 streams,
-        against a ~300 ms step at that batch)."""
+        contention. The wait is what the fan-out costs (the loop writes every socket
+        inside the dispatch: ~1.5-3 ms at 64 streams on a 2-core VM, against a ~900 ms
+        CPU step at that batch); the bound only matters when the loop is busy."""
         self.config = config
         self.handoff = handoff
         self._handed = threading.Event()
