@@ -58,7 +58,7 @@ class _Live:
 
 
 @dataclass(eq=False)
-class _Resume:
+class _SuspendedSend:
     """A frame whose send suspended in dispatch (flow control), and the frames after it."""
 
     coro: Any
@@ -145,7 +145,7 @@ class Session:
                 continue
             if sent is not None:  # suspended mid-send: the writer finishes it, then the rest
                 self._busy = True
-                self.sendq.append(_Resume(sent[0], sent[1], msg, frames[i + 1:], live))
+                self.sendq.append(_SuspendedSend(sent[0], sent[1], msg, frames[i + 1:], live))
                 self._wake.set()
             return
         self._delivered(live)
@@ -192,7 +192,7 @@ class Session:
                 return
             if not self._drained.is_set() and len(q) <= self.limits.send_queue // 2:
                 self._drained.set()
-            if isinstance(item, _Resume):
+            if isinstance(item, _SuspendedSend):
                 if not await self._finish_send(item.coro, item.awaiting):
                     return
                 self._written(item.msg, item.live)
@@ -361,13 +361,17 @@ class Session:
             raise ProtocolError("invalid_request", f"unknown message type {kind!r}",
                                 msg.get("id") if isinstance(msg.get("id"), str) else None)
 
-    def _generate(self, msg: dict[str, Any]) -> None:
-        g = parse_generate(msg)
-        if g.id in self.live:
-            raise ProtocolError("duplicate_id", f"request {g.id!r} is already in flight", g.id)
+    def _check_room(self, rid: str) -> None:
+        """A new (or resumed) stream needs a free id and room on this socket."""
+        if rid in self.live:
+            raise ProtocolError("duplicate_id", f"request {rid!r} is already in flight", rid)
         if len(self.live) >= self.limits.max_inflight_per_connection:
             raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
-                                g.id)
+                                rid)
+
+    def _generate(self, msg: dict[str, Any]) -> None:
+        g = parse_generate(msg)
+        self._check_room(g.id)
         ahead = self.gw.queue_position()
         adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, g.messages)
         if ahead is not None:
@@ -397,11 +401,7 @@ class Session:
 
     def _resume(self, msg: dict[str, Any]) -> None:
         r = parse_resume(msg)
-        if r.id in self.live:
-            raise ProtocolError("duplicate_id", f"request {r.id!r} is already in flight", r.id)
-        if len(self.live) >= self.limits.max_inflight_per_connection:
-            raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
-                                r.id)
+        self._check_room(r.id)
         live = self.gw.reattach(r.session_id, self.principal, r.id, r.after_seq)
         self._frame({"type": "resumed", "id": r.id, "after_seq": r.after_seq})
         for frame in self._replay(live, r.after_seq):
