@@ -7,7 +7,14 @@ import logging
 import os
 import sys
 
-from engine.loader import DEFAULT_MODEL
+# Read by GNU OpenMP when torch loads it, so set before the first torch import. libgomp's
+# default (300,000 spins) keeps an idle worker spinning for milliseconds after each of the
+# engine's parallel regions: on a small machine that steals the core the event loop
+# needs to fan a step's deltas out (and the clients to read them). ~10,000 spins still
+# bridge the short gaps between one step's ops (throughput unchanged within noise).
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+from engine.loader import DEFAULT_MODEL  # noqa: E402 - after GOMP_SPINCOUNT
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

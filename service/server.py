@@ -1,15 +1,68 @@
-"""uvicorn with a graceful drain: on shutdown, stop taking requests, let in-flight
-streams finish (up to the grace period), close sockets with 1001, then let uvicorn
-close connections and run the lifespan shutdown."""
+"""uvicorn with a graceful drain and a direct writer of WebSocket data frames.
+
+On shutdown: stop taking requests, let in-flight streams finish (up to the grace
+period), close sockets with 1001, then let uvicorn close connections and run the
+lifespan shutdown."""
 
 from __future__ import annotations
 
 import socket
+import struct
+from typing import Any
 
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 from service.app import create_app, drain
 from service.config import ServiceConfig
+
+WRITE_FRAME = "tidewire.write_frame"  # the ASGI scope extension FrameWriterProtocol adds
+_HEAD16, _HEAD64 = struct.Struct("!BBH"), struct.Struct("!BBQ")
+_BINARY, _TEXT = 0x82, 0x81  # FIN + opcode: one unfragmented message per frame
+
+
+class FrameWriterProtocol(WebSocketsSansIOProtocol):
+    """uvicorn's Sans-I/O websockets protocol plus a synchronous writer of data frames,
+    which the app finds in its scope as `scope["extensions"]["tidewire.write_frame"]`.
+
+    Why: a step's fan-out writes one small frame to each of dozens of sockets, and the
+    ASGI send wraps each in a coroutine, a websockets Frame object, its serializer and a
+    join on top of the write itself. A server-to-client data frame with no extension
+    negotiated is a 2-10 byte header (FIN + opcode, unmasked payload length) in front of
+    the payload, so it is built and written here at once.
+
+    The writer declines (returns False, writes nothing) whenever the ASGI send would do
+    more than that or refuse: the connection is not OPEN (closing, closed), we sent a
+    close, permessage-deflate is on, or the transport is paused by flow control. The
+    caller then awaits the ASGI send for that frame, and must send nothing else on the
+    socket until that send returns (ws.Session keeps that order)."""
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # absent when the handshake was refused
+        if scope is not None:
+            scope["extensions"][WRITE_FRAME] = self.write_frame
+
+    def write_frame(self, data: bytes | str) -> bool:
+        """Write `data` as one binary (bytes) or text (str) message now; False if the
+        ASGI send must carry it instead (see the class docstring)."""
+        if (self.close_sent or not self.writable.is_set() or self.conn.state is not State.OPEN
+                or self.conn.extensions or self.conn.expect_continuation_frame):
+            return False
+        if isinstance(data, str):
+            payload, op = data.encode(), _TEXT
+        else:
+            payload, op = data, _BINARY
+        n = len(payload)
+        if n < 126:
+            head = bytes((op, n))
+        elif n < 65536:
+            head = _HEAD16.pack(op, 126, n)
+        else:
+            head = _HEAD64.pack(op, 127, n)
+        self.transport.write(head + payload)
+        return True
 
 
 class TidewireServer(uvicorn.Server):
@@ -27,7 +80,7 @@ class TidewireServer(uvicorn.Server):
 def build_server(config: ServiceConfig, host: str, port: int,
                  log_level: str = "info") -> TidewireServer:
     app = create_app(config)
-    uv = uvicorn.Config(app, host=host, port=port, loop="uvloop", ws="websockets-sansio",
+    uv = uvicorn.Config(app, host=host, port=port, loop="uvloop", ws=FrameWriterProtocol,
                         ws_max_size=config.limits.max_message_bytes + 1024, log_level=log_level,
                         ws_per_message_deflate=config.ws_compression,
                         timeout_graceful_shutdown=int(config.shutdown_grace) + 5)

@@ -86,6 +86,10 @@ class Session:
         # The server's own ASGI send (stashed by service.app.RawSend): data frames skip
         # Starlette's per-message state checks and exception-handling wrappers.
         self._asgi_send = ws.scope.get("tidewire.asgi_send") or ws._send
+        # Under our uvicorn protocol (service.server.FrameWriterProtocol) a data frame is
+        # written synchronously with no ASGI message at all; it declines when the ASGI
+        # send must carry the frame (flow control, closing, compression).
+        self._write_frame = ws.scope.get("extensions", {}).get("tidewire.write_frame")
         self.warms: set[asyncio.Task[None]] = set()
         self.session_id = uuid.uuid4().hex
 
@@ -151,9 +155,13 @@ class Session:
         self._delivered(live)
 
     def _send_now(self, msg: dict[str, Any], live: _Live | None) -> Any:
-        """Run the ASGI send of one frame up to its first suspension. True: written;
-        None: the socket is gone; else (coroutine, what it awaits) to finish later."""
-        coro = self._asgi_send(self._message(msg))
+        """Write one frame, or run its ASGI send up to its first suspension. True:
+        written; None: the socket is gone; else (coroutine, what it awaits) to finish
+        later."""
+        data = self._write(msg, live)
+        if data is None:
+            return True
+        coro = self._asgi_send(self._message(data))
         try:
             awaiting = coro.send(None)
         except StopIteration:
@@ -164,8 +172,17 @@ class Session:
             return None
         return coro, awaiting
 
-    def _message(self, msg: dict[str, Any]) -> dict[str, Any]:
+    def _write(self, msg: dict[str, Any], live: _Live | None) -> bytes | str | None:
+        """Encode a frame and write it directly if the server lets us (None: written);
+        else return it encoded, for the ASGI send."""
         data = self.codec.encode(msg)
+        if self._write_frame is not None and self._write_frame(data):
+            self._written(msg, live)
+            return None
+        return data
+
+    @staticmethod
+    def _message(data: bytes | str) -> dict[str, Any]:
         if isinstance(data, bytes):
             return {"type": "websocket.send", "bytes": data}
         return {"type": "websocket.send", "text": data}
@@ -208,7 +225,10 @@ class Session:
                 self._delivered(live)
 
     async def _send(self, msg: dict[str, Any], live: _Live | None) -> bool:
-        coro = self._asgi_send(self._message(msg))
+        data = self._write(msg, live)
+        if data is None:
+            return True
+        coro = self._asgi_send(self._message(data))
         self._sending_since = time.monotonic()
         try:
             await coro

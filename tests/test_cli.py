@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -30,3 +31,24 @@ def test_bench_kernels_without_a_gpu_says_so_and_exits_0(capsys) -> None:
         pytest.skip("a GPU is present: the kernel benchmark would run for real")
     assert main(["bench", "kernels"]) == 0
     assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_cli_bounds_openmp_spinning_before_torch_loads() -> None:
+    """GOMP_SPINCOUNT is read once, when torch loads libgomp: the CLI sets its default
+    before anything imports torch, and keeps a value the user set."""
+    probe = "\n".join([
+        "import builtins, os",
+        "seen, real = [], builtins.__import__",
+        "def spy(name, *a, **k):",
+        "    if name == 'torch' and not seen:",
+        "        seen.append(os.environ.get('GOMP_SPINCOUNT'))",
+        "    return real(name, *a, **k)",
+        "builtins.__import__ = spy",
+        "import service.cli",
+        "print(seen)",
+    ])
+    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    for extra, want in (({}, "10000"), ({"GOMP_SPINCOUNT": "77"}, "77")):
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120, check=True, env=base | extra)
+        assert out.stdout.strip() == repr([want])
