@@ -33,8 +33,9 @@ class FrameWriterProtocol(WebSocketsSansIOProtocol):
     the payload, so it is built and written here at once.
 
     The writer declines (returns False, writes nothing) whenever the ASGI send would do
-    more than that or refuse: the connection is not OPEN (closing, closed), we sent a
-    close, permessage-deflate is on, or the transport is paused by flow control. The
+    more than that or refuse: the connection is not OPEN (closing, closed) or the TCP
+    connection is lost, we sent a close, permessage-deflate is on, or the transport is
+    paused by flow control. The
     caller then awaits the ASGI send for that frame, and must send nothing else on the
     socket until that send returns (ws.Session keeps that order)."""
 
@@ -47,8 +48,9 @@ class FrameWriterProtocol(WebSocketsSansIOProtocol):
     def write_frame(self, data: bytes | str) -> bool:
         """Write `data` as one binary (bytes) or text (str) message now; False if the
         ASGI send must carry it instead (see the class docstring)."""
-        if (self.close_sent or not self.writable.is_set() or self.conn.state is not State.OPEN
-                or self.conn.extensions or self.conn.expect_continuation_frame):
+        if (self.close_sent or self.disconnected or not self.writable.is_set()
+                or self.conn.state is not State.OPEN or self.conn.extensions
+                or self.conn.expect_continuation_frame):
             return False
         if isinstance(data, str):
             payload, op = data.encode(), _TEXT

@@ -119,3 +119,26 @@ async def test_writer_declines_before_the_handshake_completes() -> None:
         async with connect(url, compression=None) as client:
             got = [m async for m in client]
     assert seen == [False, True] and got == [b"now"]
+
+
+async def test_writer_declines_once_the_connection_is_lost() -> None:
+    """A client that drops the TCP connection without a close frame: the ASGI send
+    raises (the app learns the socket is gone) and the writer must decline likewise,
+    not write into a dead transport."""
+    seen: list[bool] = []
+
+    async def endpoint(ws: WebSocket) -> None:
+        await ws.accept()
+        write = ws.scope["extensions"][WRITE_FRAME]
+        seen.append(write(b"hello"))
+        assert (await ws.receive())["type"] == "websocket.disconnect"
+        seen.append(write(b"gone"))
+
+    with serve(endpoint) as url:
+        client = await connect(url, compression=None)
+        assert await client.recv() == b"hello"
+        client.transport.abort()  # no close frame
+        deadline = time.monotonic() + 5
+        while len(seen) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    assert seen == [True, False]
