@@ -338,10 +338,9 @@ class AsyncEngine:
 
     def _take_outbox(self) -> None:
         """On the loop: dispatch every output list published so far, in order."""
-        try:
-            while self._wake_r.recv(4096):  # type: ignore[union-attr]
-                pass
-        except (BlockingIOError, OSError):
+        try:  # one read: any wake-ups left over just run this once more, with nothing to do
+            self._wake_r.recv(4096)  # type: ignore[union-attr]
+        except OSError:  # nothing there (BlockingIOError), or closed at shutdown
             pass
         box = self._outbox
         while box:
