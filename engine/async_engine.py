@@ -167,7 +167,12 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, args=(loaded,), name="tidewire-engine",
                                         daemon=True)
         self._thread.start()
-        await loaded
+        try:
+            await loaded
+        except BaseException:  # the model did not load: the thread is gone
+            self._thread = None
+            self._close_wake()
+            raise
 
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer or None
@@ -181,6 +186,9 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         self._thread = None
         self._take_outbox()  # the aborts published on the way out
+        self._close_wake()
+
+    def _close_wake(self) -> None:
         assert self._loop is not None and self._wake_r is not None and self._wake_w is not None
         self._loop.remove_reader(self._wake_r.fileno())
         self._wake_r.close()
@@ -331,9 +339,7 @@ class AsyncEngine:
         self._outbox.append(outs)
         try:
             self._wake_w.send(b"\0")  # type: ignore[union-attr]
-        except BlockingIOError:  # the socket is full of wake-ups: the loop is coming
-            pass
-        except OSError:  # closed during shutdown
+        except OSError:  # full of wake-ups already (the loop is coming), or shut down
             pass
 
     def _take_outbox(self) -> None:

@@ -155,3 +155,12 @@ async def test_a_request_the_engine_refuses_fails_alone(tiny_models) -> None:
         assert ok[-1].finish_reason == "length" and engine.dead is None
     finally:
         await engine.shutdown()
+
+
+async def test_a_model_that_fails_to_load_raises_and_releases_the_wake_socket(tmp_path) -> None:
+    engine = AsyncEngine(EngineConfig(model=str(tmp_path / "missing")))
+    with pytest.raises(FileNotFoundError):
+        await engine.start()
+    assert not engine.running
+    assert engine._wake_r is not None and engine._wake_r.fileno() == -1  # closed, unwatched
+    await engine.shutdown()  # a no-op, not an error
