@@ -19,6 +19,9 @@ from bench.workloads import BenchRequest, chat64
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
+                   help="default: cuda where a GPU is present, else cpu; the HF baseline "
+                        "runs on the same device")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -32,10 +35,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
 
 
-def _hf_model(model_dir: Path, dtype: torch.dtype) -> Any:
+def _hf_model(model_dir: Path, dtype: torch.dtype, device: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+
+
+def _sync(model: Any) -> None:
+    """HF generate may return before a GPU finishes: time only finished work."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 @torch.inference_mode()
@@ -51,8 +60,9 @@ def run_hf_static(model: Any, work: list[BenchRequest], batch_size: int, pad_id:
             ids[j, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
             mask[j, width - len(r.prompt_token_ids):] = 1
         n = max(r.max_tokens for r in batch)
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=pad_id)
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                       max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+    _sync(model)
     dt = time.perf_counter() - t0
     useful = sum(r.max_tokens for r in work)
     return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
@@ -85,11 +95,12 @@ def single_stream(llm: Any, hf: Any, prompt: list[int], n: int, rounds: int = 3)
         return time.perf_counter() - t
 
     def hf_gen(k: int) -> float:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=hf.device)
         t = time.perf_counter()
         with torch.inference_mode():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
                         min_new_tokens=k, do_sample=False, pad_token_id=0)
+        _sync(hf)
         return time.perf_counter() - t
 
     systems = {"tidewire": tw} | ({"hf": hf_gen} if hf is not None else {})
@@ -139,16 +150,20 @@ def profile_decode_step(llm: Any, batch: int = 64, ctx: int = 200) -> dict:
 def main(a: argparse.Namespace) -> int:
     from engine import LLM
 
+    backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens)
+              max_num_batched_tokens=a.max_num_batched_tokens, attention_backend=backend)
     dtype = llm.engine.dtype  # what "auto" resolved to: the baseline runs the same
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     print(f"workload: {len(work)} requests, prompts {min(len(r.prompt_token_ids) for r in work)}-"
           f"{max(len(r.prompt_token_ids) for r in work)} tokens, outputs "
           f"{sum(r.max_tokens for r in work)} tokens total; torch threads {torch.get_num_threads()}")
-    hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype)
+    device = "cuda" if backend == "cuda" else "cpu"
+    hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype, device)
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
-                              "model": a.model}
+                              "model": a.model, "attention_backend": backend,
+                              "device": torch.cuda.get_device_name() if device == "cuda"
+                              else "cpu"}
     if not a.skip_throughput:
         _throughput(llm, hf, work, a, result)
     ss = single_stream(llm, hf, work[0].prompt_token_ids[:32], a.single_stream_tokens)

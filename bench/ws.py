@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -24,6 +25,8 @@ from bench.workloads import BenchRequest, chat64
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
+                   help="default: cuda where a GPU is present, else cpu")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -49,17 +52,24 @@ def _get(url: str) -> str:
 def _start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
-           "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+           "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+           "--attention-backend", a.attention_backend]
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for _ in range(1200):
         try:
             if json.loads(_get(f"http://127.0.0.1:{port}/ready"))["ready"]:
                 return proc
         except OSError:
+            if proc.poll() is not None:
+                break
             time.sleep(0.1)
     proc.kill()
-    raise RuntimeError("server did not start")
+    proc.wait()
+    log.seek(0)
+    tail = log.read().decode(errors="replace")[-3000:]
+    raise RuntimeError(f"server did not start; its stderr ends:\n{tail}")
 
 
 async def _one(url: str, proto: str, rid: str, r: BenchRequest) -> int:
@@ -118,14 +128,18 @@ def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...]) -> 
 
 
 def main(a: argparse.Namespace) -> int:
+    import torch
+
     from engine import LLM
 
+    a.attention_backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens)
+              max_num_batched_tokens=a.max_num_batched_tokens,
+              attention_backend=a.attention_backend)
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     run_tidewire(llm, work[:4])
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
-                              "protocol": a.protocol}
+                              "protocol": a.protocol, "attention_backend": a.attention_backend}
     result["engine"] = run_tidewire(llm, work)
     print(f"engine alone   {result['engine']['output_tok_s']:8.1f} output tok/s")
     del llm

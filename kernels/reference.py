@@ -87,7 +87,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads = q.shape[1]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:2], float("-inf"))
+    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
     for s in range(seq_lens.shape[0]):
         a, b = int(query_start_loc[s]), int(query_start_loc[s + 1])
         n, q_len = int(seq_lens[s]), b - a
@@ -97,8 +97,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = k.repeat_interleave(num_heads // kvh, dim=1)  # [n, heads, d]
         v = v.repeat_interleave(num_heads // kvh, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[a:b].float(), k) * scale
-        qpos = torch.arange(n - q_len, n)[:, None]
-        kpos = torch.arange(n)[None, :]
+        qpos = torch.arange(n - q_len, n, device=q.device)[:, None]
+        kpos = torch.arange(n, device=q.device)[None, :]
         visible = (kpos <= qpos) & (kpos >= kv_start) & (kpos < kv_end)
         scores = scores.masked_fill(~visible, float("-inf"))
         m = scores.amax(-1, keepdim=True)

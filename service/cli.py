@@ -139,9 +139,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from bench import kernels, offline, prefix, ws
+    import importlib
 
-    return {"offline": offline, "ws": ws, "prefix": prefix, "kernels": kernels}[a.bench].main(a)
+    return importlib.import_module(f"bench.{a.bench}").main(a)
 
 
 def build_parser() -> argparse.ArgumentParser:

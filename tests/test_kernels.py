@@ -1,6 +1,6 @@
-"""Triton kernels against kernels/reference.py, under TRITON_INTERPRET=1 (set by
-conftest on machines without a GPU). Small shapes: the interpreter runs each program
-in numpy."""
+"""Triton kernels against kernels/reference.py: compiled on a CUDA GPU when there is
+one, else under TRITON_INTERPRET=1 (set by conftest). Small shapes: the interpreter runs
+each program in numpy. The tests marked `gpu` need a GPU's memory and speed."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from kernels.paged_attention import paged_attention
 from kernels.paged_decode_splitk import paged_decode_splitk
 from kernels.reshape_and_cache import reshape_and_cache
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(DEV != "cuda", reason="needs a CUDA GPU")
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
@@ -45,10 +47,11 @@ def make_batch(q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int
         table[s, :n] = ids[pos : pos + n].int()
         pos += n
     # q as a non-contiguous view (the q columns of a fused qkv projection)
-    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, d, generator=g).to(dtype)
+    qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, d, generator=g).to(dtype).to(DEV)
     q = qkv[:, :heads]
     starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32), starts
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return (q, *(t.to(DEV) for t in (kc, vc, table, lens, starts)))
 
 
 BATCHES = {
@@ -121,8 +124,8 @@ def test_cascade_equals_plain_attention(dtype: torch.dtype) -> None:
 
 def test_merge_attn_states_with_an_empty_part() -> None:
     g = torch.Generator().manual_seed(1)
-    parts = torch.randn(3, 5, 4, 64, generator=g)
-    lses = torch.randn(3, 5, 4, generator=g)
+    parts = torch.randn(3, 5, 4, 64, generator=g).to(DEV)
+    lses = torch.randn(3, 5, 4, generator=g).to(DEV)
     lses[1, 2] = float("-inf")  # a partition that saw no key for token 2
     lses[:, 4] = float("-inf")  # a token that saw nothing at all
     out, lse = merge_attn_states(parts, lses, return_lse=True)
@@ -135,10 +138,10 @@ def test_merge_attn_states_with_an_empty_part() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reshape_and_cache_skips_padding(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
-    k = torch.randn(6, 3, 64, generator=g).to(dtype)
-    v = torch.randn(6, 3, 64, generator=g).to(dtype)
-    slots = torch.tensor([5, 17, -1, 40, 41, -1])
-    caches = [torch.zeros(4, 16, 3, 64, dtype=dtype) for _ in range(4)]
+    k = torch.randn(6, 3, 64, generator=g).to(DEV, dtype)
+    v = torch.randn(6, 3, 64, generator=g).to(DEV, dtype)
+    slots = torch.tensor([5, 17, -1, 40, 41, -1], device=DEV)
+    caches = [torch.zeros(4, 16, 3, 64, dtype=dtype, device=DEV) for _ in range(4)]
     reshape_and_cache(k, v, caches[0], caches[1], slots)
     ref.reshape_and_cache(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -148,9 +151,9 @@ def test_reshape_and_cache_skips_padding(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_rms_norm_rope_silu_match_reference(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(5, 96, generator=g).to(dtype)
-    res = torch.randn(5, 96, generator=g).to(dtype)
-    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    x = torch.randn(5, 96, generator=g).to(DEV, dtype)
+    res = torch.randn(5, 96, generator=g).to(DEV, dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(DEV, dtype)
     for r in (None, res):
         got, got_res = rms_norm(x, w, 1e-5, r)
         want, want_res = ref.rms_norm(x, w, 1e-5, r)
@@ -158,14 +161,14 @@ def test_fused_rms_norm_rope_silu_match_reference(dtype: torch.dtype) -> None:
         # (not bit-equal in bf16: the interpreter's fp32 -> bf16 cast truncates, a
         # GPU's rounds to nearest even, as torch does)
         close(got_res, want_res, dtype)
-    cos, sin = ref.rope_cos_sin(64, 128, 10000.0)
-    positions = torch.tensor([0, 3, 127, 64, 9])
-    qk = torch.randn(5, 6, 64, generator=g).to(dtype)
+    cos, sin = (t.to(DEV) for t in ref.rope_cos_sin(64, 128, 10000.0))
+    positions = torch.tensor([0, 3, 127, 64, 9], device=DEV)
+    qk = torch.randn(5, 6, 64, generator=g).to(DEV, dtype)
     want = ref.rope(qk, *ref.rope_gather(cos, sin, positions, dtype))
     q, k = qk[:, :4], qk[:, 4:]  # views into one tensor, rotated in place
     rope(q, k, positions, cos, sin)
     close(qk, want, dtype)
-    x2 = torch.randn(5, 2 * 80, generator=g).to(dtype)
+    x2 = torch.randn(5, 2 * 80, generator=g).to(DEV, dtype)
     close(silu_and_mul(x2), ref.silu_and_mul(x2), dtype)
 
 
@@ -178,6 +181,8 @@ def test_engine_with_triton_interpret_backend_matches_cpu_backend(tiny_models) -
     from engine import LLM, SamplingParams
     from tests.conftest import hf_greedy
 
+    if DEV == "cuda":  # the kernels are compiled for the GPU in this process
+        pytest.skip("a GPU is present: test_engine_on_cuda_matches_cpu_backend_and_hf")
     path = tiny_models("llama", 0, head_dim=16)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 23, 40)]
@@ -201,3 +206,83 @@ def test_cuda_backend_refuses_clearly_without_a_gpu(tiny_models) -> None:
     with pytest.raises(ValueError, match="needs a CUDA device"):
         LLM(model=str(tiny_models("llama", 0)), dtype="float32", attention_backend="cuda",
             kv_tier="none")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_at_model_scale_on_gpu(dtype: torch.dtype) -> None:
+    """Llama-3-8B heads (32 q, 8 KV, d128): a 512-token prefill chunk after 1.5k cached
+    tokens, a fresh prompt, and decodes out to 4k, in one launch; the split-K decode at
+    16k; both against the fp32 reference on the same 16-bit inputs."""
+    q_lens, seq_lens = [512, 1, 1, 1, 37], [2048, 4000, 1, 777, 37]
+    q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 32, 8, 128, 16, dtype,
+                                                num_blocks=1024, seed=5)
+    out = torch.full_like(q, float("nan"))  # every row must be written
+    paged_attention(q, kc, vc, table, lens, starts, 128**-0.5, max(q_lens), out=out)
+    close(out, ref.paged_attention(q, kc, vc, table, lens, starts, 128**-0.5)[0], dtype)
+    seq_lens = [16384, 9000, 130, 2049]
+    q, kc, vc, table, lens, starts = make_batch([1] * 4, seq_lens, 32, 8, 128, 16, dtype,
+                                                num_blocks=2048, seed=6)
+    got = paged_decode_splitk(q, kc, vc, table, lens, 128**-0.5, max(seq_lens), 32)
+    close(got, ref.paged_attention(q, kc, vc, table, lens, starts, 128**-0.5)[0], dtype)
+
+
+@gpu
+def test_kernels_address_a_cache_past_2_31_elements_on_gpu() -> None:
+    """K/V caches of 2^31 + 2^21 bf16 elements each (~4.3 GB): the cache write, paged
+    attention and split-K decode reach the blocks past element 2^31 (int64 offsets)."""
+    bs, kvh, d, heads = 16, 8, 128, 32
+    per_block = bs * kvh * d
+    nb = (1 << 31) // per_block + 128
+    kc = torch.empty(nb, bs, kvh, d, dtype=torch.bfloat16, device="cuda")
+    vc = torch.empty_like(kc)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    seq_lens = [300, 1000]  # 19 and 63 blocks, all of them past element 2^31
+    high = torch.arange(nb - 128, nb, device="cuda", dtype=torch.int32)
+    assert int(high[0]) * per_block >= 1 << 31
+    table = torch.zeros(2, 63, dtype=torch.int32, device="cuda")
+    table[0, :19], table[1] = high[:19], high[19:82]
+    # write every token of both sequences through the kernel, then read it back
+    slots = torch.cat([(table[s, : -(-n // bs)].long()[:, None] * bs
+                        + torch.arange(bs, device="cuda")).flatten()[:n]
+                       for s, n in enumerate(seq_lens)])
+    k = torch.randn(len(slots), kvh, d, generator=g, device="cuda").bfloat16()
+    v = torch.randn(len(slots), kvh, d, generator=g, device="cuda").bfloat16()
+    reshape_and_cache(k, v, kc, vc, slots)
+    assert torch.equal(kc.view(-1, kvh, d)[slots], k)
+    assert torch.equal(vc.view(-1, kvh, d)[slots], v)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    starts = torch.tensor([0, 1, 41], dtype=torch.int32, device="cuda")  # a 40-token chunk
+    q = torch.randn(41, heads, d, generator=g, device="cuda").bfloat16()
+    want = ref.paged_attention(q, kc, vc, table, lens, starts, d**-0.5)[0]
+    close(paged_attention(q, kc, vc, table, lens, starts, d**-0.5, 40), want, torch.bfloat16)
+    q, starts = q[[0, 40]], torch.tensor([0, 1, 2], dtype=torch.int32, device="cuda")
+    want = ref.paged_attention(q, kc, vc, table, lens, starts, d**-0.5)[0]
+    close(paged_decode_splitk(q, kc, vc, table, lens, d**-0.5, max(seq_lens), 8), want,
+          torch.bfloat16)
+
+@gpu
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_engine_on_cuda_matches_cpu_backend_and_hf(tiny_models, head_dim: int) -> None:
+    """The whole engine compiled for the GPU, fp32: the same greedy tokens as the CPU
+    backend and HF, through chunked prefills (a 300-token prompt in 64-token chunks)
+    mixed with decodes, and split-K decodes past 2048 tokens of context."""
+    import random
+
+    from engine import LLM, SamplingParams
+    from engine.attention_triton import SPLIT_K_MIN_CONTEXT
+    from tests.conftest import hf_greedy
+
+    path = tiny_models("llama", 0, head_dim=head_dim, max_position_embeddings=4096)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 23, 40, 300)]
+    long = [[rng.randrange(3, 320) for _ in range(SPLIT_K_MIN_CONTEXT + 20)]]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("cpu", "cuda"):
+        llm = LLM(model=str(path), dtype="float32", block_size=16, max_num_batched_tokens=64,
+                  attention_backend=backend, kv_tier="none", debug=True)
+        outs[backend] = [o.token_ids for o in llm.generate(prompts + long, sp)]
+        if backend == "cuda":
+            assert llm.engine.runner.kv_caches[0][0].device.type == "cuda"
+    assert outs["cuda"] == outs["cpu"] == hf_greedy(path, prompts + long, 8)
