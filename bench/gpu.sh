@@ -32,8 +32,10 @@ run test_kernels $py -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py
 run bench_kernels $py -m service.cli bench kernels --json "$out/kernels.json"
 if [ -n "$cfg" ]; then
     $py -m bench.random_model "$models/small" --config-dir "$cfg" >/dev/null || fail=1
-    run offline_small $py -m service.cli bench offline --model "$models/small" \
+    run offline_small $py -m service.cli bench offline --model "$models/small" --profile \
         --json "$out/offline_small.json"
+    run offline_small_eager $py -m service.cli bench offline --model "$models/small" \
+        --enforce-eager --skip-hf --json "$out/offline_small_eager.json"
     if $py -c "import starlette, uvicorn, websockets" 2>/dev/null; then
         run ws_small $py -m service.cli bench ws --model "$models/small" \
             --json "$out/ws_small.json"

@@ -22,6 +22,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda where a GPU is present, else cpu; the HF baseline "
                         "runs on the same device")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -152,7 +153,8 @@ def main(a: argparse.Namespace) -> int:
 
     backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
-              max_num_batched_tokens=a.max_num_batched_tokens, attention_backend=backend)
+              max_num_batched_tokens=a.max_num_batched_tokens, attention_backend=backend,
+              enforce_eager=a.enforce_eager)
     dtype = llm.engine.dtype  # what "auto" resolved to: the baseline runs the same
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     print(f"workload: {len(work)} requests, prompts {min(len(r.prompt_token_ids) for r in work)}-"
@@ -162,6 +164,8 @@ def main(a: argparse.Namespace) -> int:
     hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype, device)
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
                               "model": a.model, "attention_backend": backend,
+                              "cuda_graphs": llm.engine.runner.graphs is not None
+                              and backend == "cuda",
                               "device": torch.cuda.get_device_name() if device == "cuda"
                               else "cpu"}
     if not a.skip_throughput:

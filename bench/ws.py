@@ -27,6 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda where a GPU is present, else cpu")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -53,7 +54,8 @@ def _start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-           "--attention-backend", a.attention_backend]
+           "--attention-backend", a.attention_backend] \
+        + (["--enforce-eager"] if a.enforce_eager else [])
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -135,11 +137,12 @@ def main(a: argparse.Namespace) -> int:
     a.attention_backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens,
-              attention_backend=a.attention_backend)
+              attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     run_tidewire(llm, work[:4])
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
-                              "protocol": a.protocol, "attention_backend": a.attention_backend}
+                              "protocol": a.protocol, "attention_backend": a.attention_backend,
+                              "enforce_eager": a.enforce_eager}
     result["engine"] = run_tidewire(llm, work)
     print(f"engine alone   {result['engine']['output_tok_s']:8.1f} output tok/s")
     del llm

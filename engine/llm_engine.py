@@ -60,6 +60,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     debug: bool = False  # check block-manager integrity after every step
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (engine/cuda_graphs.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -88,7 +89,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.runner = ModelRunner(self.arch, load_weights(self.model_dir), self.dtype,
                                   config.attention_backend, cc.block_size, self.num_blocks,
-                                  config.seed)
+                                  config.seed, config.scheduler.max_num_seqs,
+                                  self.max_model_len, config.enforce_eager)
         self.offload = self._make_offload()
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self.num_steps = 0

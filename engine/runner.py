@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import PrefillSpec, StepLayout, get_backend
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel, ModelArch
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingBatch
@@ -26,7 +27,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 backend: str, block_size: int, num_blocks: int, seed: int = 0) -> None:
+                 backend: str, block_size: int, num_blocks: int, seed: int = 0,
+                 max_num_seqs: int = 64, max_model_len: int = 8192,
+                 enforce_eager: bool = False) -> None:
+        """`enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
+        graphs otherwise; engine/cuda_graphs.py)."""
         attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
                                     dtype)
         self.block_size = block_size
@@ -40,20 +45,59 @@ class ModelRunner:
                           for _ in range(arch.num_layers)]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        if attn.name in ("cuda", "triton-interpret") and not enforce_eager:
+            self.graphs = DecodeGraphs(self._forward, self.device, max_num_seqs,
+                                       -(-max_model_len // block_size),
+                                       capture=self.device.type == "cuda")
+            self.graphs.capture_all()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object,
+                 logits_rows: torch.Tensor) -> torch.Tensor:
+        return self.model.forward(input_ids, positions, self.kv_caches, meta, logits_rows)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Run one step; request id -> (sampled token, its logprobs if asked) for the
         rows that sample."""
-        inputs = self.prepare(out)
-        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches,
-                                    inputs.meta, inputs.logits_rows)
-        if not inputs.sample_ids:
+        decodes, prefills = self._split(out)
+        if self.graphs is not None and not prefills and self.graphs.fits(
+                len(decodes), decodes[0].request.num_computed_tokens + 1 if decodes else 0):
+            return self._execute_graph(decodes)
+        inputs = self.prepare(decodes, prefills)
+        logits = self._forward(inputs.input_ids, inputs.positions, inputs.meta,
+                               inputs.logits_rows)
+        return self._sample(logits, inputs.sample_ids, inputs.sampling)
+
+    def _sample(self, logits: torch.Tensor, sample_ids: list[str],
+                sampling: SamplingBatch) -> dict[str, tuple[int, TokenLogprob | None]]:
+        if not sample_ids:
             return {}
         if logits.device.type != "cpu":
+            if sampling.argmax_only:  # move n token ids, not n x vocab logits
+                tokens = logits.argmax(-1).cpu().tolist()  # (.cpu() waits without the GIL)
+                return {rid: (t, None) for rid, t in zip(sample_ids, tokens)}
             logits = logits.cpu()  # the sampler (and its seeded generators) run on the CPU
-        res = self.sampler(logits, inputs.sampling)
-        return dict(zip(inputs.sample_ids, zip(res.tokens, res.logprobs)))
+        res = self.sampler(logits, sampling)
+        return dict(zip(sample_ids, zip(res.tokens, res.logprobs)))
+
+    def _execute_graph(self, decodes: list[ScheduledRequest]
+                       ) -> dict[str, tuple[int, TokenLogprob | None]]:
+        ids, pos, slots, tables = [], [], [], []
+        bs = self.block_size
+        for s in decodes:
+            p = s.request.num_computed_tokens
+            ids.append(s.request.token_at(p))
+            pos.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            tables.append(s.block_ids[: p // bs + 1])
+        logits = self.graphs.run(ids, pos, slots, tables)  # type: ignore[union-attr]
+        rows = [i for i, s in enumerate(decodes) if s.samples]
+        samplers = [decodes[i] for i in rows]
+        if len(rows) < len(decodes):
+            logits = logits[rows]
+        return self._sample(logits, [s.request.request_id for s in samplers],
+                            self._sampling_batch(samplers))
 
     def block_shape(self) -> tuple[int, ...]:
         """One block of every layer's K and V: [layers, 2, block_size, kv_heads, head_dim]."""
@@ -83,11 +127,15 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    @staticmethod
+    def _split(out: SchedulerOutput) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
         """Decodes (one new token, longest context first), then prefill chunks."""
         decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
                          key=lambda s: -s.request.num_computed_tokens)
-        prefills = [s for s in out.scheduled if s.num_new_tokens > 1]
+        return decodes, [s for s in out.scheduled if s.num_new_tokens > 1]
+
+    def prepare(self, decodes: list[ScheduledRequest],
+                prefills: list[ScheduledRequest]) -> StepInputs:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []

@@ -31,6 +31,13 @@ class SamplingBatch:
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row takes the argmax of the raw logits: no bias, banned tokens,
+        penalties or logprobs (then the argmax can run where the logits are)."""
+        return all(p.greedy and p.logprobs is None and not p.logit_bias and not p.penalized
+                   and p.min_tokens == 0 for p in self.params)
+
 
 @dataclass
 class SamplerOutput:

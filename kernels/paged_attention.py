@@ -16,9 +16,13 @@ positions <= its own (causal with the cached context). `kv_start` / `kv_end` cli
 keys (cascade attention splits a shared prefix from the rest).
 
 One program = (sequence, KV head, block of BLOCK_Q queries). The queries of every head
-of the KV head's group are stacked as rows (BLOCK_Q * GROUP_PAD rows), so each K/V tile
-is loaded once per group (GQA). Softmax is online (FlashAttention) in fp32; block and
-token offsets are int64, so caches past 2^31 elements address correctly.
+of the KV head's group are stacked as rows (BLOCK_Q * GROUP_PAD rows: 16 when the step
+is all decodes, 64 when it has prefill chunks), so each K/V tile is loaded once per group
+(GQA). Keys go by tiles of TILE tokens that may span several cache blocks (each token's
+physical block is gathered from the table), so the tensor-core tiles stay wide when the
+cache block is small (16 tokens: a 16-wide score tile ran prefill at ~16 TFLOP/s on an
+H100). Softmax is online (FlashAttention) in fp32; block and token offsets are int64, so
+caches past 2^31 elements address correctly.
 """
 
 from __future__ import annotations
@@ -31,17 +35,28 @@ from kernels._common import check_cache, dot_fp32, dot_precision, next_pow2
 
 
 @triton.jit
-def attend_block(q, k_cache_ptr, v_cache_ptr, phys, kvh, stride_kb, stride_kt, stride_kh,
-                 stride_vb, stride_vt, stride_vh, visible, m_i, l_i, acc, scale,
-                 BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
-    """One online-softmax step over a cache block (physical id `phys`, int64) for the
-    query rows q [M, HEAD_DIM]; `visible` [M, BLOCK_SIZE] says which scores
-    count. Returns the updated (m_i, l_i, acc). Shared by the paged and split-K kernels."""
-    t = tl.arange(0, BLOCK_SIZE)[:, None].to(tl.int64)
+def key_tile(table_row_ptr, kpos, valid, BLOCK_SIZE: tl.constexpr):
+    """Physical block (int64) and offset in it of each key position of a tile, from the
+    sequence's block-table row (block 0 where not `valid`; attend_block loads nothing
+    there)."""
+    phys = tl.load(table_row_ptr + kpos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return phys, (kpos % BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def attend_block(q, k_cache_ptr, v_cache_ptr, phys, toff, valid, kvh, stride_kb, stride_kt,
+                 stride_kh, stride_vb, stride_vt, stride_vh, visible, m_i, l_i, acc, scale,
+                 HEAD_DIM: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One online-softmax step over a tile of keys (physical block `phys` and offset
+    `toff` per key, int64 [TILE]; keys not `valid` are not loaded: a slot outside the
+    sequence may hold anything, NaN included, and 0 * NaN would reach the output) for the
+    query rows q [M, HEAD_DIM]; `visible` [M, TILE] says which scores count. Returns the
+    updated (m_i, l_i, acc). Shared by the paged and split-K kernels."""
     d = tl.arange(0, HEAD_DIM)[None, :]
-    k = tl.load(k_cache_ptr + phys * stride_kb + t * stride_kt + kvh * stride_kh + d)
-    v = tl.load(v_cache_ptr + phys * stride_vb + t * stride_vt + kvh * stride_vh + d)
+    k = tl.load(k_cache_ptr + phys[:, None] * stride_kb + toff[:, None] * stride_kt
+                + kvh * stride_kh + d, mask=valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + phys[:, None] * stride_vb + toff[:, None] * stride_vt
+                + kvh * stride_vh + d, mask=valid[:, None], other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -67,8 +82,8 @@ def _paged_attention_kernel(
     stride_ot, stride_oh,
     stride_bt, stride_lt, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, RETURN_LSE: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    RETURN_LSE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -99,16 +114,17 @@ def _paged_attention_kernel(
 
     # keys this block of queries can see: [kv_start, min(kv_end, last query pos + 1))
     hi = tl.minimum(tl.minimum(ctx + (qblk + 1) * BLOCK_Q, seq_len), kv_end)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, TILE)
     kvh64 = kvh.to(tl.int64)
-    for j in range(kv_start // BLOCK_SIZE, tl.cdiv(hi, BLOCK_SIZE)):
-        phys = tl.load(block_tables_ptr + seq.to(tl.int64) * stride_bt + j).to(tl.int64)
-        kpos = j * BLOCK_SIZE + t
-        visible = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] >= kv_start) \
-            & (kpos[None, :] < hi)
-        m_i, l_i, acc = attend_block(q, k_cache_ptr, v_cache_ptr, phys, kvh64, stride_kb,
-                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     visible, m_i, l_i, acc, scale, BLOCK_SIZE, HEAD_DIM,
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range((kv_start // TILE) * TILE, hi, TILE):
+        kpos = start + t
+        in_range = (kpos >= kv_start) & (kpos < hi)
+        phys, toff = key_tile(table_row, kpos, in_range, BLOCK_SIZE)
+        visible = (kpos[None, :] <= qpos[:, None]) & in_range[None, :]
+        m_i, l_i, acc = attend_block(q, k_cache_ptr, v_cache_ptr, phys, toff, in_range, kvh64,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                     stride_vh, visible, m_i, l_i, acc, scale, HEAD_DIM,
                                      PRECISION, DOT_FP32)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -118,6 +134,12 @@ def _paged_attention_kernel(
     if RETURN_LSE:
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
         tl.store(lse_ptr + tok * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+def key_tile_size(block_size: int, dtype: torch.dtype) -> int:
+    """Keys per tile: 64 (32 in fp32, whose tiles take twice the registers), never less
+    than one cache block."""
+    return max(block_size, 32 if dtype == torch.float32 else 64)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -146,7 +168,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if return_lse else out  # (a dummy pointer when unused)
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
-    block_q = max(1, 16 // group_pad)  # >= 16 rows per program for tl.dot
+    rows = 16 if max_query_len <= 1 else 64  # tl.dot needs >= 16; prefill fills 64
+    block_q = max(1, rows // group_pad)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max(max_query_len, 1), block_q))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, lse, block_tables, seq_lens, query_start_loc,
@@ -158,8 +181,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_tables.stride(0), lse.stride(0) if return_lse else 0,
         lse.stride(1) if return_lse else 0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, RETURN_LSE=return_lse, PRECISION=dot_precision(q.dtype),
-        DOT_FP32=dot_fp32(q.dtype),
-        num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        TILE=key_tile_size(block_size, q.dtype), HEAD_DIM=head_dim, RETURN_LSE=return_lse,
+        PRECISION=dot_precision(q.dtype), DOT_FP32=dot_fp32(q.dtype),
+        num_warps=8 if block_q * group_pad >= 64 and head_dim >= 128 else 4, num_stages=2,
     )
     return (out, lse) if return_lse else out

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from kernels._common import check_cache, dot_fp32, dot_precision, next_pow2
 from kernels.merge_attn_states import merge_attn_states
-from kernels.paged_attention import attend_block
+from kernels.paged_attention import attend_block, key_tile, key_tile_size
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def _decode_partition_kernel(
     scale,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_pp, stride_pt, stride_ph, stride_lp, stride_lt, stride_lh, stride_bt,
-    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
     HEAD_DIM: tl.constexpr, PARTITION_BLOCKS: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -48,16 +48,19 @@ def _decode_partition_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-    t = tl.arange(0, BLOCK_SIZE)
-    first = part * PARTITION_BLOCKS
-    last = tl.minimum(first + PARTITION_BLOCKS, tl.cdiv(seq_len, BLOCK_SIZE))
-    for j in range(first, last):
-        phys = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
-        kpos = j * BLOCK_SIZE + t
-        m_i, l_i, acc = attend_block(q, k_cache_ptr, v_cache_ptr, phys, kvh, stride_kb,
-                                     stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                                     kpos[None, :] < seq_len, m_i, l_i, acc, scale,
-                                     BLOCK_SIZE, HEAD_DIM, PRECISION, DOT_FP32)
+    t = tl.arange(0, TILE)
+    first = part * (PARTITION_BLOCKS * BLOCK_SIZE)  # this partition's keys: [first, last)
+    last = tl.minimum(first + PARTITION_BLOCKS * BLOCK_SIZE, seq_len)
+    table_row = block_tables_ptr + seq * stride_bt
+    for start in range(first, last, TILE):
+        kpos = start + t
+        in_range = kpos < last  # (a tile may overhang the partition: masked)
+        phys, toff = key_tile(table_row, kpos, in_range, BLOCK_SIZE)
+        m_i, l_i, acc = attend_block(q, k_cache_ptr, v_cache_ptr, phys, toff, in_range, kvh,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                     stride_vh,
+                                     in_range[None, :], m_i, l_i, acc, scale, HEAD_DIM,
+                                     PRECISION, DOT_FP32)
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     tl.store(part_ptr + part * stride_pp + seq * stride_pt + head[:, None] * stride_ph
              + d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
@@ -89,7 +92,9 @@ def paged_decode_splitk(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         partials.stride(0), partials.stride(1), partials.stride(2),
         lses.stride(0), lses.stride(1), lses.stride(2), block_tables.stride(0),
-        GROUP=group, ROWS=max(16, next_pow2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=group, ROWS=max(16, next_pow2(group)), BLOCK_SIZE=block_size,
+        TILE=min(key_tile_size(block_size, q.dtype), next_pow2(partition_blocks * block_size)),
+        HEAD_DIM=head_dim,
         PARTITION_BLOCKS=partition_blocks, PRECISION=dot_precision(q.dtype),
         DOT_FP32=dot_fp32(q.dtype),
         num_warps=4, num_stages=2)

@@ -31,6 +31,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default=_env("ATTENTION_BACKEND", "cpu"),
                    choices=["cpu", "cuda", "triton-interpret"])
+    p.add_argument("--enforce-eager", action="store_true",
+                   default=_env("ENFORCE_EAGER", "0") not in ("0", "", "false"),
+                   help="no CUDA graphs: decode steps launch their kernels one by one")
     p.add_argument("--kv-tier", default=_env("KV_TIER", "memory"),
                    choices=["memory", "redis", "none"],
                    help="host tier for evicted prefix blocks (redis: memory in front of Redis)")
@@ -58,7 +61,8 @@ def _llm(a: argparse.Namespace):  # noqa: ANN202 - engine.LLM
                num_kv_blocks=a.num_kv_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
                max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
                attention_backend=a.attention_backend, kv_tier=t.kind, redis_url=t.redis_url,
-               kv_tier_memory=t.memory_bytes, kv_tier_write_through=t.write_through)
+               kv_tier_memory=t.memory_bytes, kv_tier_write_through=t.write_through,
+               enforce_eager=a.enforce_eager)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -94,7 +98,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model=a.model, dtype=a.dtype, attention_backend=a.attention_backend,
         cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, not a.no_prefix_caching),
         scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs), tier=_tier(a),
-        kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)))
+        kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)), enforce_eager=a.enforce_eager)
     limits = Limits(max_connections=a.max_connections,
                     max_inflight_per_connection=a.max_inflight_per_connection,
                     max_inflight_per_key=a.max_inflight_per_key, max_queue=a.max_queue,

@@ -37,14 +37,18 @@ def make_batch(q_lens: list[int], seq_lens: list[int], heads: int, kv_heads: int
         ids = torch.randperm(4_000, generator=g)[: sum(need)] + 66_000
     else:
         ids = torch.randperm(num_blocks, generator=g)[: sum(need)]
-    kc = torch.empty(num_blocks, bs, kv_heads, d, dtype=dtype)
-    vc = torch.empty(num_blocks, bs, kv_heads, d, dtype=dtype)
+    # NaN wherever no sequence has a key (other blocks, the last block's tail): a kernel
+    # must not load those slots (0 * NaN = NaN)
+    kc = torch.full((num_blocks, bs, kv_heads, d), float("nan"), dtype=dtype)
+    vc = torch.full((num_blocks, bs, kv_heads, d), float("nan"), dtype=dtype)
     kc[ids] = torch.randn(len(ids), bs, kv_heads, d, generator=g).to(dtype)
     vc[ids] = torch.randn(len(ids), bs, kv_heads, d, generator=g).to(dtype)
     table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
     pos = 0
     for s, n in enumerate(need):
         table[s, :n] = ids[pos : pos + n].int()
+        kc[table[s, n - 1], seq_lens[s] - (n - 1) * bs:] = float("nan")
+        vc[table[s, n - 1], seq_lens[s] - (n - 1) * bs:] = float("nan")
         pos += n
     # q as a non-contiguous view (the q columns of a fused qkv projection)
     qkv = torch.randn(sum(q_lens), heads + 2 * kv_heads, d, generator=g).to(dtype).to(DEV)
@@ -198,6 +202,49 @@ def test_engine_with_triton_interpret_backend_matches_cpu_backend(tiny_models) -
     assert outs["triton-interpret"] == outs["cpu"] == hf_greedy(path, prompts, 6)
 
 
+def test_decode_graph_path_matches_eager(tiny_models) -> None:
+    """Decode steps through DecodeGraphs' static buffers (captured on a GPU; replayed
+    eagerly under the interpreter): batches padded to the capture sizes (5 live
+    sequences run as 8, then fewer as they finish), greedy, seeded sampling and logprobs
+    (the CPU sampler on the graph's logits): the same tokens as the eager path, the CPU
+    backend and, greedy, HF."""
+    import random
+
+    from engine import LLM, SamplingParams
+    from engine.cuda_graphs import capture_sizes
+    from tests.conftest import hf_greedy
+
+    if DEV == "cuda":
+        pytest.skip("a GPU is present: test_engine_on_cuda_matches_cpu_backend_and_hf")
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(6) == [1, 2, 4, 6] and capture_sizes(1) == [1]
+    path = tiny_models("llama", 0, head_dim=16)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (3, 9, 17, 30, 4)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (7, 4, 2)]
+    params += [SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True),
+               SamplingParams(max_tokens=5, temperature=0.0, logprobs=2, ignore_eos=True)]
+    outs = {}
+    for backend, eager in (("cpu", True), ("triton-interpret", True), ("triton-interpret", False)):
+        llm = LLM(model=str(path), dtype="float32", block_size=4, num_kv_blocks=32, max_num_seqs=8,
+                  max_num_batched_tokens=32, attention_backend=backend, kv_tier="none",
+                  enforce_eager=eager, debug=True)
+        res = llm.generate(prompts, params)
+        outs[backend, eager] = [(o.token_ids, [(lp.token_id, [t for t, _ in lp.top])
+                                               for lp in o.outputs[0].logprobs or []])
+                                for o in res]
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert graphs.replays > 0
+    assert outs["triton-interpret", False] == outs["triton-interpret", True] == outs["cpu", True]
+    greedy = [p for p, sp in zip(prompts, params) if sp.temperature == 0.0]
+    want = [hf_greedy(path, [p], sp.max_tokens)[0]
+            for p, sp in zip(prompts, params) if sp.temperature == 0.0]
+    assert [t for (t, _), sp in zip(outs["cpu", True], params) if sp.temperature == 0.0] == want
+    assert len(greedy) == 4
+
+
 def test_cuda_backend_refuses_clearly_without_a_gpu(tiny_models) -> None:
     from engine import LLM
 
@@ -264,9 +311,10 @@ def test_kernels_address_a_cache_past_2_31_elements_on_gpu() -> None:
 @gpu
 @pytest.mark.parametrize("head_dim", [16, 64])
 def test_engine_on_cuda_matches_cpu_backend_and_hf(tiny_models, head_dim: int) -> None:
-    """The whole engine compiled for the GPU, fp32: the same greedy tokens as the CPU
-    backend and HF, through chunked prefills (a 300-token prompt in 64-token chunks)
-    mixed with decodes, and split-K decodes past 2048 tokens of context."""
+    """The whole engine compiled for the GPU, fp32, eager and with CUDA graphs: the same
+    greedy tokens as the CPU backend and HF, through chunked prefills (a 300-token prompt
+    in 64-token chunks) mixed with decodes, graph-replayed decode steps, and split-K
+    decodes past 2048 tokens of context (eager)."""
     import random
 
     from engine import LLM, SamplingParams
@@ -277,12 +325,20 @@ def test_engine_on_cuda_matches_cpu_backend_and_hf(tiny_models, head_dim: int) -
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 23, 40, 300)]
     long = [[rng.randrange(3, 320) for _ in range(SPLIT_K_MIN_CONTEXT + 20)]]
-    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outs = {}
-    for backend in ("cpu", "cuda"):
+    for backend, eager in (("cpu", True), ("cuda", True), ("cuda", False)):
         llm = LLM(model=str(path), dtype="float32", block_size=16, max_num_batched_tokens=64,
-                  attention_backend=backend, kv_tier="none", debug=True)
-        outs[backend] = [o.token_ids for o in llm.generate(prompts + long, sp)]
+                  max_num_seqs=8, attention_backend=backend, kv_tier="none",
+                  enforce_eager=eager, debug=True)
+        # the short ones alone (decode-only steps, graphs), then the long one (split-K)
+        outs[backend, eager] = [o.token_ids for o in llm.generate(prompts, sp)] \
+            + [o.token_ids for o in llm.generate(long, sp)]
         if backend == "cuda":
             assert llm.engine.runner.kv_caches[0][0].device.type == "cuda"
-    assert outs["cuda"] == outs["cpu"] == hf_greedy(path, prompts + long, 8)
+        if not eager:  # captured graphs, replayed for the decode-only steps
+            graphs = llm.engine.runner.graphs
+            assert sorted(b for b, (g, _) in graphs._graphs.items() if g is not None) \
+                == [1, 2, 4, 8] and graphs.replays > 0
+    assert outs["cuda", False] == outs["cuda", True] == outs["cpu", True] \
+        == hf_greedy(path, prompts + long, 16)
