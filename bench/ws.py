@@ -34,6 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--protocol", default="tidewire.v1.msgpack",
                    choices=["tidewire.v1.msgpack", "tidewire.v1.json"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--client-procs", type=int, default=1,
+                   help="load-generator processes the 64 sockets are spread over")
     p.add_argument("--json", type=Path, default=None)
 
 
@@ -74,34 +76,90 @@ def _start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
     raise RuntimeError(f"server did not start; its stderr ends:\n{tail}")
 
 
-async def _one(url: str, proto: str, rid: str, r: BenchRequest) -> int:
+def _codec(proto: str) -> tuple[Any, Any]:
     import msgpack
+
+    if proto.endswith("msgpack"):
+        return msgpack.packb, msgpack.unpackb
+    return json.dumps, json.loads
+
+
+async def _connect(url: str, proto: str, n: int) -> list[Any]:
     from websockets.asyncio.client import connect
 
-    enc = (lambda m: msgpack.packb(m)) if proto.endswith("msgpack") else json.dumps
-    dec = (lambda d: msgpack.unpackb(d)) if proto.endswith("msgpack") else json.loads
-    n = 0
-    async with connect(url, subprotocols=[proto], max_size=None) as ws:
+    conns = [await connect(url, subprotocols=[proto], max_size=None) for _ in range(n)]
+    for ws in conns:
         await ws.recv()  # ready
-        await ws.send(enc({"type": "generate", "id": rid, "prompt_token_ids": r.prompt_token_ids,
-                           "params": {"max_tokens": r.max_tokens, "temperature": 0.0,
-                                      "ignore_eos": True}}))
-        while True:
-            m = dec(await ws.recv())
-            if m["type"] == "delta":
-                n += len(m["token_ids"])
-            elif m["type"] in ("done", "error"):
-                assert m["type"] == "done" and m["status"] == "completed", m
-                return n
+    return conns
 
 
-async def _drive(url: str, proto: str, work: list[BenchRequest]) -> dict[str, float]:
-    t0 = time.perf_counter()
-    counts = await asyncio.gather(*(_one(url, proto, f"r{i}", r) for i, r in enumerate(work)))
-    dt = time.perf_counter() - t0
-    n = sum(counts)
+async def _stream(ws: Any, proto: str, rid: str, r: BenchRequest) -> int:
+    enc, dec = _codec(proto)
+    await ws.send(enc({"type": "generate", "id": rid, "prompt_token_ids": r.prompt_token_ids,
+                       "params": {"max_tokens": r.max_tokens, "temperature": 0.0,
+                                  "ignore_eos": True}}))
+    n = 0
+    while True:
+        m = dec(await ws.recv())
+        if m["type"] == "delta":
+            n += len(m["token_ids"])
+        elif m["type"] in ("done", "error"):
+            assert m["type"] == "done" and m["status"] == "completed", m
+            return n
+
+
+async def _run_streams(url: str, proto: str, work: list[BenchRequest], first: int,
+                       start: Any = None) -> int:
+    """One socket per request (ids r{first}...); `start()` runs once all are connected."""
+    conns = await _connect(url, proto, len(work))
+    if start is not None:
+        start()
+    counts = await asyncio.gather(*(_stream(ws, proto, f"r{first}-{i}", r)
+                                    for i, (ws, r) in enumerate(zip(conns, work))))
+    for ws in conns:
+        await ws.close()
+    return sum(counts)
+
+
+def _client_process(url: str, proto: str, work: list[BenchRequest], first: int,
+                    ready: Any, go: Any, results: Any) -> None:
+    """A load-generator process: connect, wait for the common start, stream, report."""
+    def start() -> None:
+        ready.wait()
+        go.wait()
+
+    results.put(asyncio.run(_run_streams(url, proto, work, first, start)))
+
+
+def _drive(url: str, proto: str, work: list[BenchRequest], procs: int = 1) -> dict[str, float]:
+    """Output tokens/s of the streams from the moment every socket is connected. With
+    procs > 1 the sockets are spread over that many client processes (one Python client
+    reading ~10k deltas/s can be the bottleneck next to a GPU engine)."""
+    if procs <= 1:
+        t: list[float] = []
+        n = asyncio.run(_run_streams(url, proto, work, 0, lambda: t.append(time.perf_counter())))
+        dt = time.perf_counter() - t[0]
+    else:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        ready, go, results = ctx.Barrier(procs + 1), ctx.Event(), ctx.Queue()
+        parts = [list(range(i, len(work), procs)) for i in range(procs)]
+        workers = [ctx.Process(target=_client_process,
+                               args=(url, proto, [work[j] for j in part], part[0] if part else 0,
+                                     ready, go, results))
+                   for part in parts]
+        for w in workers:
+            w.start()
+        ready.wait()
+        t0 = time.perf_counter()
+        go.set()
+        n = sum(results.get(timeout=600) for _ in workers)
+        dt = time.perf_counter() - t0
+        for w in workers:
+            w.join()
     assert n == sum(r.max_tokens for r in work)
-    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt}
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt, "client_procs": procs}
 
 
 def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...]) -> dict[str, float]:
@@ -151,10 +209,10 @@ def main(a: argparse.Namespace) -> int:
     proc = _start_server(a, port)
     try:
         url = f"ws://127.0.0.1:{port}/v1/ws"
-        asyncio.run(_drive(url, a.protocol, work[:4]))  # warm up
+        _drive(url, a.protocol, work[:4])  # warm up
         before = histogram_quantiles(_get(f"http://127.0.0.1:{port}/metrics"),
                                      "tidewire_delta_delivery_seconds", (0.5,))
-        result["websocket"] = asyncio.run(_drive(url, a.protocol, work))
+        result["websocket"] = _drive(url, a.protocol, work, a.client_procs)
         metrics = _get(f"http://127.0.0.1:{port}/metrics")
     finally:
         proc.terminate()
