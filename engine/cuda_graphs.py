@@ -55,7 +55,7 @@ class DecodeGraphs:
                                         device=dev)
         self.query_start_loc = torch.arange(big + 1, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(big, dtype=torch.int64, device=dev)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
 
     def _meta(self, b: int) -> TritonMetadata:
@@ -98,9 +98,8 @@ class DecodeGraphs:
         b = next(s for s in self.sizes if s >= n)
         pad = b - n
         width = max(len(ids) for ids in block_ids)
-        table = torch.zeros((n, width), dtype=torch.int32)
-        for i, ids in enumerate(block_ids):
-            table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        table = torch.tensor([ids + [0] * (width - len(ids)) for ids in block_ids],
+                             dtype=torch.int32)
         host = torch.tensor([token_ids + [0] * pad, positions + [0] * pad,
                              slots + [-1] * pad, [p + 1 for p in positions] + [1] * pad],
                             dtype=torch.int64)
@@ -111,8 +110,8 @@ class DecodeGraphs:
         self.seq_lens[:b].copy_(host[3], non_blocking=nb)
         self.block_tables[:n, :width].copy_(table, non_blocking=nb)
         self.replays += 1
-        graph, out = self._graphs.get(b, (None, None))
-        if graph is None:  # not captured (the interpreter): the same forward, eagerly
+        if b not in self._graphs:  # not captured (the interpreter): the same forward, eagerly
             return self._run_static(b)[:n]
+        graph, out = self._graphs[b]
         graph.replay()
         return out[:n]

@@ -41,8 +41,8 @@ class LLM:
     ) -> None:
         """`kv_tier`: where evicted prefix blocks go — "none", "memory" (in this process)
         or "redis" (memory in front of Redis at `redis_url`; shared by restarts and
-        replicas). `enforce_eager`: no CUDA graphs for decode steps. Call close() (or use `with LLM(...) as llm`) to flush the cached
-        blocks to the tier at the end."""
+        replicas). `enforce_eager`: no CUDA graphs for decode steps. Call close() (or use
+        `with LLM(...) as llm`) to flush the cached blocks to the tier at the end."""
         self.config = EngineConfig(
             model=model, dtype=dtype, attention_backend=attention_backend,
             cache=CacheConfig(block_size, num_kv_blocks or 0, enable_prefix_caching),

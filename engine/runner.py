@@ -83,14 +83,13 @@ class ModelRunner:
 
     def _execute_graph(self, decodes: list[ScheduledRequest]
                        ) -> dict[str, tuple[int, TokenLogprob | None]]:
-        ids, pos, slots, tables = [], [], [], []
-        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
         for s in decodes:
-            p = s.request.num_computed_tokens
-            ids.append(s.request.token_at(p))
-            pos.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-            tables.append(s.block_ids[: p // bs + 1])
+            self._append_tokens(s, ids, pos, slots)
+        bs = self.block_size
+        tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, pos)]
         logits = self.graphs.run(ids, pos, slots, tables)  # type: ignore[union-attr]
         rows = [i for i, s in enumerate(decodes) if s.samples]
         samplers = [decodes[i] for i in rows]
