@@ -264,14 +264,16 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(sched)
         now = time.monotonic()
-        touched = self.scheduler.advance(sched, {k: t for k, (t, _) in sampled.items()})
+        touched = self.scheduler.advance(sched, sampled.tokens)
         self.num_steps += 1
-        outs = []
-        for r in touched:
-            lp = sampled[r.request_id][1]
-            out = self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp])
-            out.sampled_at = now
-            outs.append(out)
+        lps = sampled.logprobs
+        emit = self._emit
+        if lps is None:
+            outs = [emit(r, r.output_token_ids[-1:], None, now) for r in touched]
+        else:
+            outs = [emit(r, r.output_token_ids[-1:],
+                         [lps[r.request_id]] if r.request_id in lps else None, now)
+                    for r in touched]
         if publish is not None:
             publish(outs)
         self.scheduler.commit(sched)
@@ -287,27 +289,33 @@ class LLMEngine:
             self.kv.check_integrity()
         return outs
 
-    def _emit(self, r: Request, new: list[int], logprobs: list | None) -> StepOutput:
+    def _emit(self, r: Request, new: list[int], logprobs: list | None,
+              sampled_at: float = 0.0) -> StepOutput:
         """Detokenize the new tokens, apply stop strings, clean up a finished sample.
-        (Runs for every request every step, before the step's outputs go out.)"""
+        (Runs for every request every step, in front of the step's outputs going out:
+        keep it lean.)"""
         detok = self._detoks.get(r.request_id)
         delta = ""
         finished = r.status.finished
         if detok is not None:
-            delta = detok.push(new, final=finished)
+            delta = detok.push(new, finished)
             if detok.stop_hit is not None:
                 r.stop_reason = detok.stop_hit
                 if not finished:
                     self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED)
                     finished = True
+        reason = None
         if finished:
             self._finished(r)
+            reason = r.finish_reason
         first = r.first_scheduled_time
-        cached = r.num_cached_tokens if r.num_cached_tokens > 0 else 0
+        cached = r.num_cached_tokens
+        if cached < 0:
+            cached = 0
         host = r.num_host_cached_tokens
-        return StepOutput(r.parent_id, new, delta, finished, r.finish_reason, r.index,
+        return StepOutput(r.parent_id, new, delta, finished, reason, r.index,
                           len(r.prompt_token_ids), cached, logprobs, r.stop_reason, None,
-                          first - r.arrival_time if first else 0.0, 0.0,
+                          first - r.arrival_time if first else 0.0, sampled_at,
                           host if host < cached else cached)
 
     def _finished(self, r: Request) -> None:

@@ -15,6 +15,16 @@ from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
+@dataclass(slots=True)
+class Sampled:
+    """A step's sampled tokens by request id, and the logprobs of the rows that asked
+    (None when none did). Token ids come as a plain dict: the scheduler reads them as
+    they are, with no per-step copy in front of the outputs' publication."""
+
+    tokens: dict[str, int]
+    logprobs: dict[str, TokenLogprob] | None = None
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -57,9 +67,9 @@ class ModelRunner:
         return self.model.forward(input_ids, positions, self.kv_caches, meta, logits_rows)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, tuple[int, TokenLogprob | None]]:
-        """Run one step; request id -> (sampled token, its logprobs if asked) for the
-        rows that sample."""
+    def execute(self, out: SchedulerOutput) -> Sampled:
+        """Run one step; the tokens of the rows that sample, by request id (and the
+        logprobs of those that asked)."""
         decodes, prefills = self._split(out)
         if self.graphs is not None and not prefills and self.graphs.fits(
                 len(decodes), decodes[0].request.num_computed_tokens + 1 if decodes else 0):
@@ -70,19 +80,19 @@ class ModelRunner:
         return self._sample(logits, inputs.sample_ids, inputs.sampling)
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str],
-                sampling: SamplingBatch) -> dict[str, tuple[int, TokenLogprob | None]]:
+                sampling: SamplingBatch) -> Sampled:
         if not sample_ids:
-            return {}
+            return Sampled({})
         if logits.device.type != "cpu":
             if sampling.argmax_only:  # move n token ids, not n x vocab logits
                 tokens = logits.argmax(-1).cpu().tolist()  # (.cpu() waits without the GIL)
-                return {rid: (t, None) for rid, t in zip(sample_ids, tokens)}
+                return Sampled(dict(zip(sample_ids, tokens)))
             logits = logits.cpu()  # the sampler (and its seeded generators) run on the CPU
         res = self.sampler(logits, sampling)
-        return dict(zip(sample_ids, zip(res.tokens, res.logprobs)))
+        lps = {rid: lp for rid, lp in zip(sample_ids, res.logprobs) if lp is not None}
+        return Sampled(dict(zip(sample_ids, res.tokens)), lps or None)
 
-    def _execute_graph(self, decodes: list[ScheduledRequest]
-                       ) -> dict[str, tuple[int, TokenLogprob | None]]:
+    def _execute_graph(self, decodes: list[ScheduledRequest]) -> Sampled:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []

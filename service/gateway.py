@@ -57,7 +57,10 @@ class Gateway:
         self.accepting = True
         self.sessions: set = set()  # open WebSocket sessions (service.ws.Session)
         self.detached: dict[str, Detached] = {}  # by the dropped socket's session id
-        self._later: list[tuple[Any, Any]] = []
+        # Per-delta metrics, recorded after a step's fan-out rather than in front of the
+        # next socket (see log_tokens / log_delivery).
+        self._token_log: list[tuple[bool, float, int]] = []
+        self._delivery_log: list[float] = []
         self.num_detached = 0
 
     # -- auth ------------------------------------------------------------------------------
@@ -162,17 +165,31 @@ class Gateway:
             raise ProtocolError("invalid_request", f"cannot apply the chat template: {e}",
                                 rid) from None
 
-    def later(self, fn: Any, arg: Any) -> None:
-        """Call fn(arg) once the current callback is over: per-delta metrics are
-        recorded after a step's fan-out rather than in front of the next socket."""
-        if not self._later:
-            asyncio.get_running_loop().call_soon(self._flush_later)
-        self._later.append((fn, arg))
+    # -- per-delta metrics: one list append on the fan-out path, observed afterwards ----
 
-    def _flush_later(self) -> None:
-        todo, self._later = self._later, []
-        for fn, arg in todo:
-            fn(arg)
+    def log_tokens(self, first: bool, gap: float, n: int) -> None:
+        """n tokens went out: `gap` is the time to first token (first) or since the
+        previous delta."""
+        if not self._token_log and not self._delivery_log:
+            asyncio.get_running_loop().call_soon(self._flush_logs)
+        self._token_log.append((first, gap, n))
+
+    def log_delivery(self, seconds: float) -> None:
+        """A delta was written `seconds` after its oldest token was sampled."""
+        if not self._token_log and not self._delivery_log:
+            asyncio.get_running_loop().call_soon(self._flush_logs)
+        self._delivery_log.append(seconds)
+
+    def _flush_logs(self) -> None:
+        tokens, self._token_log = self._token_log, []
+        delivery, self._delivery_log = self._delivery_log, []
+        m = self.metrics
+        ttft, itl, out = m.ttft.observe, m.itl.observe, m.output_tokens.inc
+        for first, gap, n in tokens:
+            (ttft if first else itl)(gap)
+            out(n)
+        for seconds in delivery:
+            m.delivery.observe(seconds)
 
     # -- resume: requests of dropped sockets -------------------------------------------
 

@@ -40,14 +40,15 @@ class ProtocolError(Exception):
 
 
 class Codec:
+    """One per socket, used on the event loop thread only. The encoder is built once:
+    `msgpack.packb` makes a Packer per call and `json.dumps` with options a JSONEncoder
+    per call, both on the per-delta path."""
+
     def __init__(self, subprotocol: str) -> None:
         self.subprotocol = subprotocol
         self.binary = subprotocol == SUBPROTOCOL_MSGPACK
-
-    def encode(self, msg: dict[str, Any]) -> bytes | str:
-        if self.binary:
-            return msgpack.packb(msg, use_bin_type=True)
-        return json.dumps(msg, ensure_ascii=False, separators=(",", ":"))
+        self.encode: Any = (msgpack.Packer(use_bin_type=True).pack if self.binary else
+                            json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode)
 
     def decode(self, data: bytes | str) -> dict[str, Any]:
         try:

@@ -20,6 +20,9 @@ from service.config import ServiceConfig
 WRITE_FRAME = "tidewire.write_frame"  # the ASGI scope extension FrameWriterProtocol adds
 _HEAD16, _HEAD64 = struct.Struct("!BBH"), struct.Struct("!BBQ")
 _BINARY, _TEXT = 0x82, 0x81  # FIN + opcode: one unfragmented message per frame
+# the 2-byte header of every payload length under 126, by opcode
+_BINARY_HEADS = [bytes((_BINARY, n)) for n in range(126)]
+_TEXT_HEADS = [bytes((_TEXT, n)) for n in range(126)]
 
 
 class FrameWriterProtocol(WebSocketsSansIOProtocol):
@@ -39,6 +42,16 @@ class FrameWriterProtocol(WebSocketsSansIOProtocol):
     caller then awaits the ASGI send for that frame, and must send nothing else on the
     socket until that send returns (ws.Session keeps that order)."""
 
+    _paused = False  # the transport is over its high-water mark (flow control)
+
+    def pause_writing(self) -> None:
+        self._paused = True  # a plain flag for write_frame, beside uvicorn's Event
+        super().pause_writing()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        super().resume_writing()
+
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
         scope = getattr(self, "scope", None)  # absent when the handshake was refused
@@ -48,17 +61,18 @@ class FrameWriterProtocol(WebSocketsSansIOProtocol):
     def write_frame(self, data: bytes | str) -> bool:
         """Write `data` as one binary (bytes) or text (str) message now; False if the
         ASGI send must carry it instead (see the class docstring)."""
-        if (self.close_sent or self.disconnected or not self.writable.is_set()
-                or self.conn.state is not State.OPEN or self.conn.extensions
-                or self.conn.expect_continuation_frame):
+        conn = self.conn
+        if (self._paused or self.close_sent or self.disconnected
+                or conn.state is not State.OPEN or conn.extensions
+                or conn.expect_continuation_frame):
             return False
         if isinstance(data, str):
-            payload, op = data.encode(), _TEXT
+            payload, op, heads = data.encode(), _TEXT, _TEXT_HEADS
         else:
-            payload, op = data, _BINARY
+            payload, op, heads = data, _BINARY, _BINARY_HEADS
         n = len(payload)
         if n < 126:
-            head = bytes((op, n))
+            head = heads[n]
         elif n < 65536:
             head = _HEAD16.pack(op, 126, n)
         else:

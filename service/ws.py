@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -189,8 +190,7 @@ class Session:
 
     def _written(self, msg: dict[str, Any], live: _Live | None) -> None:
         if live is not None and msg["type"] == "delta":
-            self.gw.later(self.gw.metrics.delivery.observe,
-                          time.monotonic() - live.adm.stream.sampled_at)
+            self.gw.log_delivery(time.monotonic() - live.adm.stream.sampled_at)
 
     def _delivered(self, live: _Live) -> None:
         if live.ended and self.unsent.get(live.rid) is live:
@@ -294,14 +294,16 @@ class Session:
             if not live.started:
                 live.started = True
                 frames.append(self._start(live.rid, out, stream.queue_time))
-            new = step.new_token_ids
-            live.track.token(len(new), self.gw)
-            if new or step.text_delta:
+            new, text = step.new_token_ids, step.text_delta
+            if new:
+                live.track.token(len(new), self.gw)
+            if new or text:
                 live.seq += 1
-                c = out.outputs[step.index]
-                live.marks.append((step.index, len(c.token_ids), len(c.text)))
-                frames.append(self._delta(live.rid, live.seq, step.index, len(out.outputs), new,
-                                          step.text_delta, c.logprobs if live.logprobs else None))
+                index = step.index
+                c = out.outputs[index]
+                live.marks.append((index, len(c.token_ids), len(c.text)))
+                frames.append(self._delta(live.rid, live.seq, index, len(out.outputs), new,
+                                          text, c.logprobs if live.logprobs else None))
         if stream.finished:
             frames += self._finish(live)
         return frames
@@ -399,7 +401,7 @@ class Session:
         live = _Live(g.id, adm, g.params.logprobs is not None, Timings(adm.arrival))
         self.live[g.id] = live
         # No output can have arrived yet: dispatch runs on this (the loop) thread.
-        adm.stream.listener = lambda: self._notify(live)
+        adm.stream.listener = partial(self._notify, live)
 
     def _warm(self, msg: dict[str, Any]) -> None:
         w = parse_warm(msg)
@@ -431,7 +433,7 @@ class Session:
                 self._frame(frame)
             return
         self.live[r.id] = live
-        live.adm.stream.listener = lambda: self._notify(live)
+        live.adm.stream.listener = partial(self._notify, live)
         self._notify(live)  # whatever arrived while it was parked
 
     def _replay(self, live: _Live, after_seq: int) -> list[dict[str, Any]]:
@@ -523,6 +525,8 @@ def cached_tokens(out: RequestOutput | None) -> dict[str, int]:
 
 
 class Timings:
+    __slots__ = ("arrival", "first", "last")
+
     def __init__(self, arrival: float) -> None:
         self.arrival = arrival
         self.first: float | None = None
@@ -532,13 +536,11 @@ class Timings:
         """n tokens delivered now (metrics are recorded after the step's fan-out)."""
         if n:
             now = time.monotonic()
-            m = gw.metrics
             if self.first is None:
                 self.first = now
-                gw.later(m.ttft.observe, now - self.arrival)
+                gw.log_tokens(True, now - self.arrival, n)
             else:
-                gw.later(m.itl.observe, now - self.last)
-            gw.later(m.output_tokens.inc, n)
+                gw.log_tokens(False, now - self.last, n)
             self.last = now
 
     def summary(self, completion: int, queue_time: float) -> dict[str, float]:
