@@ -49,6 +49,9 @@ class RequestStream:
     `delta_text`) and shares the live cumulative `outputs` list. Steps that queued up
     while the consumer was busy are merged into one delta per sample, never dropped."""
 
+    __slots__ = ("request_id", "output", "_pending", "_ready", "listener", "queue_time",
+                 "sampled_at", "done_indexes", "finished")
+
     def __init__(self, request: Request) -> None:
         self.request_id = request.request_id
         self.output = RequestOutput(request.request_id, list(request.prompt_token_ids),

@@ -35,7 +35,7 @@ class StepOutput:
     num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One sample of a request, cumulative."""
 
@@ -51,7 +51,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request as seen by a caller: every sample's cumulative tokens and text, plus
     the latest delta (for sample `index`) when streaming. With n == 1 the top-level

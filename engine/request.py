@@ -33,7 +33,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One sequence. There are no prefill and decode phases: each step the scheduler
     gives it new tokens until `num_computed_tokens` catches up with `num_tokens`."""

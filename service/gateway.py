@@ -32,7 +32,7 @@ class Principal:
         return hashlib.sha256(b"tidewire.tenant:" + self.tenant.encode()).digest() if self.tenant else b""
 
 
-@dataclass
+@dataclass(slots=True)
 class Admission:
     stream: RequestStream
     arrival: float

@@ -39,7 +39,7 @@ STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "err
 _CLOSE = object()  # send-queue sentinel: the writer stops
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Live:
     """A request in flight on this socket."""
 

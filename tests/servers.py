@@ -27,6 +27,16 @@ def http_get(url: str, headers: dict[str, str] | None = None) -> tuple[int, byte
         return e.code, e.read()
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """GET /metrics, parsed with prometheus_client's parser: sample name -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = http_get(url + "/metrics")
+    assert status == 200
+    return {s.name: s.value for fam in text_string_to_metric_families(body.decode())
+            for s in fam.samples}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -10,13 +10,12 @@ import time
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from engine import LLM, EngineConfig, SamplingParams
 from service.config import Limits, ServiceConfig
-from tests.servers import http_get, run_server
+from tests.servers import http_get, run_server, scrape_metrics
 
 MSGS = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -135,15 +134,9 @@ async def test_tenants_do_not_share_prefix_cache(server) -> None:
 
 
 def test_metrics_parse_and_move(server) -> None:
-    def scrape() -> dict[str, float]:
-        status, body = http_get(server.url + "/metrics")
-        assert status == 200
-        return {s.name: s.value for fam in text_string_to_metric_families(body.decode())
-                for s in fam.samples}
-
-    before = scrape()
+    before = scrape_metrics(server.url)
     client(server).completions.create(model="smollm2-135m", prompt="Hi", max_tokens=3)
-    after = scrape()
+    after = scrape_metrics(server.url)
     assert after["tidewire_generation_tokens_total"] >= before.get(
         "tidewire_generation_tokens_total", 0) + 3
     assert after["tidewire_prompt_tokens_total"] > before.get("tidewire_prompt_tokens_total", 0)

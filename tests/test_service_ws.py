@@ -10,12 +10,11 @@ import random
 import msgpack
 import pytest
 from websockets.asyncio.client import connect
-from prometheus_client.parser import text_string_to_metric_families
 from websockets.exceptions import ConnectionClosed
 
 from engine import LLM, EngineConfig, SamplingParams
 from service.config import Limits, ServiceConfig
-from tests.servers import http_get, run_server
+from tests.servers import run_server, scrape_metrics
 
 JSON, MSGPACK = "tidewire.v1.json", "tidewire.v1.msgpack"
 QUESTIONS = ["What is the capital of France?", "Name a color.", "Count to five.",
@@ -109,20 +108,14 @@ async def test_per_delta_metrics_count_every_delta_and_token(server) -> None:
     """Deltas are written on the fan-out path and observed afterwards: each delta
     written counts once in the delivery histogram, the first of a request in TTFT and
     the rest in inter-token latency, and every token in the generation counter."""
-    def scrape() -> dict[str, float]:
-        status, body = http_get(server.url + "/metrics")
-        assert status == 200
-        return {s.name: s.value for fam in text_string_to_metric_families(body.decode())
-                for s in fam.samples}
-
-    before = scrape()
+    before = scrape_metrics(server.url)
     ws, c = await open_client(server, MSGPACK)
     async with ws:
         for i, q in enumerate(QUESTIONS[:2]):
             await c.send(gen(f"m{i}", q, max_tokens=12, ignore_eos=True))
         msgs = await c.until_done({"m0", "m1"})
     await asyncio.sleep(0.05)  # (a scrape is a separate request; the loop has moved on)
-    after = scrape()
+    after = scrape_metrics(server.url)
     deltas = [m for m in msgs if m["type"] == "delta"]
     tokens = sum(len(d["token_ids"]) for d in deltas)
     with_tokens = sum(1 for d in deltas if d["token_ids"])
