@@ -266,14 +266,12 @@ class LLMEngine:
         now = time.monotonic()
         touched = self.scheduler.advance(sched, sampled.tokens)
         self.num_steps += 1
-        lps = sampled.logprobs
-        emit = self._emit
-        if lps is None:
-            outs = [emit(r, r.output_token_ids[-1:], None, now) for r in touched]
-        else:
-            outs = [emit(r, r.output_token_ids[-1:],
-                         [lps[r.request_id]] if r.request_id in lps else None, now)
-                    for r in touched]
+        lps = sampled.logprobs or {}
+        outs = []
+        for r in touched:
+            lp = lps.get(r.request_id)
+            outs.append(self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp],
+                                   now))
         if publish is not None:
             publish(outs)
         self.scheduler.commit(sched)

@@ -170,15 +170,17 @@ class Gateway:
     def log_tokens(self, first: bool, gap: float, n: int) -> None:
         """n tokens went out: `gap` is the time to first token (first) or since the
         previous delta."""
-        if not self._token_log and not self._delivery_log:
-            asyncio.get_running_loop().call_soon(self._flush_logs)
+        self._flush_soon()
         self._token_log.append((first, gap, n))
 
     def log_delivery(self, seconds: float) -> None:
         """A delta was written `seconds` after its oldest token was sampled."""
-        if not self._token_log and not self._delivery_log:
-            asyncio.get_running_loop().call_soon(self._flush_logs)
+        self._flush_soon()
         self._delivery_log.append(seconds)
+
+    def _flush_soon(self) -> None:
+        if not self._token_log and not self._delivery_log:  # the first since the last flush
+            asyncio.get_running_loop().call_soon(self._flush_logs)
 
     def _flush_logs(self) -> None:
         tokens, self._token_log = self._token_log, []

@@ -295,8 +295,7 @@ class Session:
                 live.started = True
                 frames.append(self._start(live.rid, out, stream.queue_time))
             new, text = step.new_token_ids, step.text_delta
-            if new:
-                live.track.token(len(new), self.gw)
+            live.track.token(len(new), self.gw)
             if new or text:
                 live.seq += 1
                 index = step.index
