@@ -28,6 +28,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda where a GPU is present, else cpu")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-async-output", dest="async_output", action="store_false",
+                   help="the server sends a step's outputs before the next step starts")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -57,7 +59,8 @@ def _start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
            "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens),
            "--attention-backend", a.attention_backend] \
-        + (["--enforce-eager"] if a.enforce_eager else [])
+        + (["--enforce-eager"] if a.enforce_eager else []) \
+        + ([] if a.async_output else ["--no-async-output"])
     log = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -200,7 +203,7 @@ def main(a: argparse.Namespace) -> int:
     run_tidewire(llm, work[:4])
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
                               "protocol": a.protocol, "attention_backend": a.attention_backend,
-                              "enforce_eager": a.enforce_eager}
+                              "enforce_eager": a.enforce_eager, "async_output": a.async_output}
     result["engine"] = run_tidewire(llm, work)
     print(f"engine alone   {result['engine']['output_tok_s']:8.1f} output tok/s")
     del llm

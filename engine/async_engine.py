@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput, StepOutput
@@ -268,25 +269,39 @@ class AsyncEngine:
             return
         self._loop.call_soon_threadsafe(loaded.set_result, None)
         eng = self.engine
+        overlap = self.config.async_output and eng.runner.overlaps
+        held: list[StepOutput] = []  # the last step's outputs, until the next is under way
         try:
             while True:
-                outs: list[StepOutput] = []
-                if not self._drain(block=not eng.has_unfinished(), outs=outs):
+                outs, held = held, []
+                if not self._drain(block=not outs and not eng.has_unfinished(), outs=outs):
                     break
-                if eng.has_unfinished():
+                self._handed_off = False
+                if not eng.has_unfinished():
+                    self._hand_off(outs)
+                elif overlap:
+                    # The previous step's outputs (and the aborts) go out once this
+                    # step's forward is on the GPU: the loop's fan-out and the engine's
+                    # wait for it (the hand-off) overlap the GPU's work instead of
+                    # coming between two steps. This step's outputs wait for the next.
+                    held = eng.step(launched=partial(self._hand_off, outs))
+                    if not self._handed_off:
+                        self._hand_off(outs)  # the step ran nothing
+                    if held and not eng.has_unfinished():  # no next step to wait for
+                        self._hand_off(held)
+                        held = []
+                else:
                     # published before the step's block bookkeeping, with the aborts
                     eng.step(lambda step_outs: self._hand_off(outs + step_outs))
-                    if outs and not self._handed_off:
+                    if not self._handed_off:
                         self._hand_off(outs)  # the step ran nothing
-                else:
-                    self._hand_off(outs)
-                self._handed_off = False
         except BaseException as e:  # the engine is broken: fail every request, loudly
             log.exception("engine thread died")
             self.dead = e
             self._fail_all(repr(e))
             return
-        self._publish(eng.abort(eng.request_ids()))
+        # what was drained before the stop, then every request still running, aborted
+        self._publish(outs + eng.abort(eng.request_ids()))
         try:
             eng.close()  # flush cached prefix blocks to the host tier
         except Exception:  # noqa: BLE001 - shutting down regardless

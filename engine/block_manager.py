@@ -175,6 +175,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, on_evict)
         self.tables: dict[str, list[KVBlock]] = {}
+        self._ids: dict[str, list[int]] = {}  # each table's block ids (block_ids())
         # leading blocks of each table already passed to pool.cache (each step then
         # looks only at blocks that became full, not the whole table)
         self._published: dict[str, int] = {}
@@ -193,7 +194,10 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, ())]
+        """The request's block table as ids: a live list, extended as the request
+        grows (every step reads it; none copies it). Callers must not change it."""
+        ids = self._ids.get(request_id)
+        return [] if ids is None else ids
 
     def update_hashes(self, req: Request) -> None:
         """Extend req.block_hashes over every full block of its known tokens."""
@@ -235,7 +239,11 @@ class KVCacheManager:
         """Make room for `num_new_tokens` tokens after req.num_computed_tokens (plus
         `computed_blocks`, a fresh prefix-cache hit), leaving `reserve_blocks` free.
         False, changing nothing, if the pool is short."""
-        table = self.tables.get(req.request_id, [])
+        table = self.tables.get(req.request_id)
+        if table is not None and not computed_blocks and not reserve_blocks and \
+                len(table) * self.block_size >= req.num_computed_tokens + num_new_tokens:
+            return True  # (most decode steps) the last block has room
+        table = table or []
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         need = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new = need - len(table) - len(computed_blocks)
@@ -245,9 +253,13 @@ class KVCacheManager:
             return False
         self.pool.touch(computed_blocks)
         table = self.tables.setdefault(req.request_id, table)
+        ids = self._ids.setdefault(req.request_id, [])
         table.extend(computed_blocks)
+        ids.extend(b.block_id for b in computed_blocks)
         if num_new > 0:
-            table.extend(self.pool.allocate(num_new))
+            new = self.pool.allocate(num_new)
+            table.extend(new)
+            ids.extend(b.block_id for b in new)
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
@@ -275,6 +287,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks; tail first so the prefix stays cached longest."""
         table = self.tables.pop(req.request_id, None)
+        self._ids.pop(req.request_id, None)
         self._published.pop(req.request_id, None)
         if table:
             self.pool.free(list(reversed(table)))
@@ -287,7 +300,9 @@ class KVCacheManager:
         assert len({b.block_id for b in queued}) == len(queued), "block queued twice"
         assert all(b.ref_cnt == 0 for b in queued), "in-use block in the free queue"
         refs: dict[int, int] = {}
-        for table in self.tables.values():
+        assert self._ids.keys() == self.tables.keys(), "block id lists out of step"
+        for rid, table in self.tables.items():
+            assert self._ids[rid] == [b.block_id for b in table], "block id list drifted"
             for b in table:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         in_use = [b for b in pool.blocks if b.ref_cnt > 0]

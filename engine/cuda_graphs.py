@@ -46,13 +46,26 @@ class DecodeGraphs:
         self.device = device
         self.sizes = capture_sizes(max_num_seqs)
         self.capture = capture
-        big, dev = self.sizes[-1], device
-        self.input_ids = torch.zeros(big, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(big, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((big,), -1, dtype=torch.int64, device=dev)
-        self.seq_lens = torch.ones(big, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros((big, max_blocks_per_seq), dtype=torch.int32,
-                                        device=dev)
+        big, dev, width = self.sizes[-1], device, max_blocks_per_seq
+        # The step inputs live in two device buffers, so that a step's go up in two
+        # copies: int64 rows (token ids, positions, cache slots) and int32 (context
+        # lengths, then the block tables). Each has a host twin, pinned on a GPU (the
+        # copies are then asynchronous DMA), filled through numpy views.
+        self._dev64 = torch.zeros((3, big), dtype=torch.int64, device=dev)
+        self._dev64[2] = -1
+        self.input_ids, self.positions, self.slot_mapping = self._dev64.unbind(0)
+        self._dev32 = torch.zeros(big + big * width, dtype=torch.int32, device=dev)
+        self._dev32[:big] = 1
+        self.seq_lens = self._dev32[:big]
+        self.block_tables = self._dev32[big:].view(big, width)
+        pin = device.type == "cuda"
+        self._host64 = self._dev64.cpu().pin_memory() if pin else self._dev64.clone()
+        self._host32 = self._dev32.cpu().pin_memory() if pin else self._dev32.clone()
+        self._h64 = self._host64.numpy()
+        self._h32 = self._host32.numpy()
+        self._h_tables = self._h32[big:].reshape(big, width)
+        self._width = width
+        self._copied = torch.cuda.Event() if pin else None  # the last copies are done
         self.query_start_loc = torch.arange(big + 1, dtype=torch.int32, device=dev)
         self.logits_rows = torch.arange(big, dtype=torch.int64, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -96,19 +109,25 @@ class DecodeGraphs:
         view into the graph's output, valid until the next replay."""
         n = len(token_ids)
         b = next(s for s in self.sizes if s >= n)
-        pad = b - n
-        width = max(len(ids) for ids in block_ids)
-        table = torch.tensor([ids + [0] * (width - len(ids)) for ids in block_ids],
-                             dtype=torch.int32)
-        host = torch.tensor([token_ids + [0] * pad, positions + [0] * pad,
-                             slots + [-1] * pad, [p + 1 for p in positions] + [1] * pad],
-                            dtype=torch.int64)
-        nb = self.device.type == "cuda"
-        self.input_ids[:b].copy_(host[0], non_blocking=nb)
-        self.positions[:b].copy_(host[1], non_blocking=nb)
-        self.slot_mapping[:b].copy_(host[2], non_blocking=nb)
-        self.seq_lens[:b].copy_(host[3], non_blocking=nb)
-        self.block_tables[:n, :width].copy_(table, non_blocking=nb)
+        if self._copied is not None:
+            self._copied.synchronize()  # (long done: the last step's tokens came back)
+        h, lens, tables = self._h64, self._h32, self._h_tables
+        h[0, :n] = token_ids
+        h[1, :n] = positions
+        h[2, :n] = slots
+        h[:2, n:b] = 0
+        h[2, n:b] = -1
+        lens[:n] = positions
+        lens[:n] += 1
+        lens[n:b] = 1
+        for i, ids in enumerate(block_ids):  # (entries past a row's context are never read)
+            tables[i, :len(ids)] = ids
+        nb = self._copied is not None
+        self._dev64.copy_(self._host64, non_blocking=nb)
+        used = self.sizes[-1] + n * self._width
+        self._dev32[:used].copy_(self._host32[:used], non_blocking=nb)
+        if self._copied is not None:
+            self._copied.record()
         self.replays += 1
         if b not in self._graphs:  # not captured (the interpreter): the same forward, eagerly
             return self._run_static(b)[:n]

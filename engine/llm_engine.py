@@ -61,6 +61,9 @@ class EngineConfig:
     seed: int = 0
     debug: bool = False  # check block-manager integrity after every step
     enforce_eager: bool = False  # no CUDA graphs for decode steps (engine/cuda_graphs.py)
+    # AsyncEngine: a step's outputs go out once the next decode graph is on the GPU, so
+    # the event loop's fan-out overlaps the GPU's work (no effect on the CPU backend)
+    async_output: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -246,12 +249,14 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------
 
-    def step(self, publish: Callable[[list[StepOutput]], None] | None = None
-             ) -> list[StepOutput]:
+    def step(self, publish: Callable[[list[StepOutput]], None] | None = None,
+             launched: Callable[[], None] | None = None) -> list[StepOutput]:
         """Run one iteration; returns its outputs. `publish`, if given, gets them as
         soon as they exist (sampled, detokenized), before the step's block bookkeeping
         (prefix-cache publishing, freeing finished requests, write-through), which runs
-        after it returns. It is not called for a step that ran nothing."""
+        after it returns. It is not called for a step that ran nothing. `launched`, if
+        given, is called once the step's forward is under way (ModelRunner.execute);
+        not for a step that ran nothing."""
         offload = self.offload
         if offload is not None:
             offload.new_step()
@@ -262,7 +267,7 @@ class LLMEngine:
             if offload is not None and self.scheduler.loading:
                 offload.wait(0.005)  # only loads are pending: nothing to run until one lands
             return []
-        sampled = self.runner.execute(sched)
+        sampled = self.runner.execute(sched, launched)
         now = time.monotonic()
         touched = self.scheduler.advance(sched, sampled.tokens)
         self.num_steps += 1

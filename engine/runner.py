@@ -3,6 +3,7 @@ samples the rows that reached the end of their known tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,33 +67,56 @@ class ModelRunner:
                  logits_rows: torch.Tensor) -> torch.Tensor:
         return self.model.forward(input_ids, positions, self.kv_caches, meta, logits_rows)
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether a decode step can be under way on the device while this thread does
+        something else: a CUDA graph replay is one enqueue, after which the thread only
+        waits for the GPU. (Under the Triton interpreter the same path runs, eagerly.)"""
+        return self.graphs is not None
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> Sampled:
+    def execute(self, out: SchedulerOutput,
+                launched: Callable[[], None] | None = None) -> Sampled:
         """Run one step; the tokens of the rows that sample, by request id (and the
-        logprobs of those that asked)."""
+        logprobs of those that asked).
+
+        `launched`, if given, is called once while the step is under way, at the point
+        where the thread has nothing left to do but wait for it: right after a decode
+        graph's replay (and greedy argmax) is enqueued on the GPU; for any other step
+        (eager launches, CPU compute: the thread is busy for all of it) before it
+        starts."""
         decodes, prefills = self._split(out)
         if self.graphs is not None and not prefills and self.graphs.fits(
                 len(decodes), decodes[0].request.num_computed_tokens + 1 if decodes else 0):
-            return self._execute_graph(decodes)
+            return self._execute_graph(decodes, launched)
+        if launched is not None:
+            launched()
         inputs = self.prepare(decodes, prefills)
         logits = self._forward(inputs.input_ids, inputs.positions, inputs.meta,
                                inputs.logits_rows)
         return self._sample(logits, inputs.sample_ids, inputs.sampling)
 
-    def _sample(self, logits: torch.Tensor, sample_ids: list[str],
-                sampling: SamplingBatch) -> Sampled:
+    def _sample(self, logits: torch.Tensor, sample_ids: list[str], sampling: SamplingBatch,
+                launched: Callable[[], None] | None = None) -> Sampled:
+        """`launched` is called once the sampling's device work is enqueued, before
+        waiting for it."""
+        greedy = None
+        if sample_ids and logits.device.type != "cpu" and sampling.argmax_only:
+            greedy = logits.argmax(-1)  # move n token ids, not n x vocab logits
+        if launched is not None:
+            launched()
         if not sample_ids:
             return Sampled({})
+        if greedy is not None:
+            return Sampled(dict(zip(sample_ids, greedy.cpu().tolist())))  # waits, no GIL
         if logits.device.type != "cpu":
-            if sampling.argmax_only:  # move n token ids, not n x vocab logits
-                tokens = logits.argmax(-1).cpu().tolist()  # (.cpu() waits without the GIL)
-                return Sampled(dict(zip(sample_ids, tokens)))
             logits = logits.cpu()  # the sampler (and its seeded generators) run on the CPU
         res = self.sampler(logits, sampling)
         lps = {rid: lp for rid, lp in zip(sample_ids, res.logprobs) if lp is not None}
         return Sampled(dict(zip(sample_ids, res.tokens)), lps or None)
 
-    def _execute_graph(self, decodes: list[ScheduledRequest]) -> Sampled:
+    def _execute_graph(self, decodes: list[ScheduledRequest],
+                       launched: Callable[[], None] | None) -> Sampled:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -106,7 +130,7 @@ class ModelRunner:
         if len(rows) < len(decodes):
             logits = logits[rows]
         return self._sample(logits, [s.request.request_id for s in samplers],
-                            self._sampling_batch(samplers))
+                            self._sampling_batch(samplers), launched)
 
     def block_shape(self) -> tuple[int, ...]:
         """One block of every layer's K and V: [layers, 2, block_size, kv_heads, head_dim]."""

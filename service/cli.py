@@ -98,7 +98,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         model=a.model, dtype=a.dtype, attention_backend=a.attention_backend,
         cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, not a.no_prefix_caching),
         scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs), tier=_tier(a),
-        kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)), enforce_eager=a.enforce_eager)
+        kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)), enforce_eager=a.enforce_eager,
+        async_output=a.async_output)
     limits = Limits(max_connections=a.max_connections,
                     max_inflight_per_connection=a.max_inflight_per_connection,
                     max_inflight_per_key=a.max_inflight_per_key, max_queue=a.max_queue,
@@ -136,6 +137,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "for a reconnect to resume them; 0: a disconnect aborts them")
     p.add_argument("--max-detached", type=int, default=int(_env("MAX_DETACHED", "1024")),
                    help="requests parked for resume server-wide; beyond it a disconnect aborts")
+    p.add_argument("--no-async-output", dest="async_output", action="store_false",
+                   default=_env("ASYNC_OUTPUT", "1") not in ("0", "", "false"),
+                   help="on a GPU, send each step's outputs before the next step starts "
+                        "rather than once its decode graph is running (lower latency per "
+                        "delta, lower throughput with many streams)")
     p.add_argument("--ws-compression", action="store_true",
                    default=_env("WS_COMPRESSION", "0") not in ("0", "", "false"),
                    help="offer permessage-deflate (off: it costs ~50 us a frame for deltas "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine import LLM, AsyncEngine, EngineConfig, SamplingParams
 from engine.config import CacheConfig, SchedulerConfig
@@ -164,3 +165,55 @@ async def test_a_model_that_fails_to_load_raises_and_releases_the_wake_socket(tm
     assert not engine.running
     assert engine._wake_r is not None and engine._wake_r.fileno() == -1  # closed, unwatched
     await engine.shutdown()  # a no-op, not an error
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param("triton-interpret", marks=pytest.mark.skipif(
+        torch.cuda.is_available(), reason="a GPU is present: the cuda case runs")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("async_output", [True, False])
+async def test_async_output_sends_a_step_once_the_next_decode_graph_runs(
+        tiny_models, async_output: bool, backend: str) -> None:
+    """On the decode-graph path (the Triton interpreter here; captured graphs on a GPU),
+    async_output publishes a step's outputs once the next step's graph is launched, so
+    that the loop's fan-out overlaps the GPU; without it they go out before the next
+    step starts. A request's last output goes out at once (no next step to wait for).
+    The streams are the same either way, and equal the CPU backend's."""
+    path = tiny_models("llama", 0)
+    prompts = random_prompts(2, 6, 6, 320, seed=23)  # prefilled together in the first step
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model=str(path), dtype="float32").generate(prompts, params)]
+    engine = AsyncEngine(config(path, attention_backend=backend, async_output=async_output))
+    await engine.start()
+    graphs = engine.engine.runner.graphs
+    replays = 0
+    sent: dict[str, int] = {}
+    seen: list[tuple[int, int, bool]] = []  # (tokens sent so far, replays then, finished)
+    run, publish = graphs.run, engine._publish
+
+    def counting_run(*args):  # noqa: ANN002, ANN202 - both wrappers run on the engine thread
+        nonlocal replays
+        replays += 1
+        return run(*args)
+
+    def recording_publish(outs) -> None:  # noqa: ANN001
+        for o in outs:
+            sent[o.request_id] = sent.get(o.request_id, 0) + len(o.new_token_ids)
+            seen.append((sent[o.request_id], replays, o.finished))
+        publish(outs)
+
+    graphs.run = counting_run
+    engine._publish = recording_publish  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(collect(engine, p, params, f"g{i}")
+                                         for i, p in enumerate(prompts)))
+    finally:
+        await engine.shutdown()
+    assert [outs[-1].token_ids for outs in results] == want
+    assert replays == 5  # one prefill step, then 5 decode steps from the graph path
+    assert len(seen) == 12
+    lag = 0 if async_output else 1
+    for tokens, replays_then, finished in seen:
+        # token t (t >= 2) comes from replay t - 1, the first from the eager prefill step
+        assert replays_then == (tokens - 1 if finished else tokens - lag), seen
