@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Everything Tidewire checks and times on a CUDA GPU, in one run (a lent GPU machine is
 # bare and keeps nothing): the kernel tests compiled for the GPU (parity with the torch
-# references, the engine against the CPU backend and HF), `bench kernels`, and
-# `bench offline` / `bench ws` on random-weight models of real shapes.
+# references, the engine against the CPU backend and HF), the engine thread's async
+# output on the GPU, `bench kernels`, and `bench offline` / `bench ws` (with and without
+# async output) on random-weight models of real shapes.
 #
 #   bench/gpu.sh OUT_DIR [CONFIG_DIR]
 # CONFIG_DIR: a model directory's config.json + tokenizer files (default: the converted
 # SmolLM2 in $TIDEWIRE_CACHE); the benchmarks run random weights of that shape, and of
 # Llama-3.2-1B's. PYTHON (default python3) must have torch with CUDA, triton, transformers,
-# pytest; `bench ws` also needs the service's packages.
+# pytest (and pytest-asyncio for the engine thread's test); `bench ws` also needs the
+# service's packages.
 set -uo pipefail
 out=${1:?usage: bench/gpu.sh OUT_DIR [CONFIG_DIR]}
 cfg=${2:-$(ls -d "${TIDEWIRE_CACHE:-$HOME/.cache/tidewire}"/smollm2-135m-* 2>/dev/null | head -1)}
@@ -29,6 +31,7 @@ $py -c "import torch, triton, transformers, sys; print('python', sys.version.spl
 'torch', torch.__version__, 'triton', triton.__version__, 'transformers', \
 transformers.__version__)"
 run test_kernels $py -m pytest -q -rs -p no:cacheprovider tests/test_kernels.py
+run test_async_output $py -m pytest -q -rs -p no:cacheprovider tests/test_async_engine.py -k cuda
 run bench_kernels $py -m service.cli bench kernels --json "$out/kernels.json"
 if [ -n "$cfg" ]; then
     $py -m bench.random_model "$models/small" --config-dir "$cfg" >/dev/null || fail=1
@@ -39,6 +42,8 @@ if [ -n "$cfg" ]; then
     if $py -c "import starlette, uvicorn, websockets" 2>/dev/null; then
         run ws_small $py -m service.cli bench ws --model "$models/small" \
             --json "$out/ws_small.json"
+        run ws_small_sync $py -m service.cli bench ws --model "$models/small" \
+            --no-async-output --json "$out/ws_small_sync.json"
     fi
 fi
 $py -m bench.random_model "$models/llama-1b" --shape llama-1b >/dev/null || fail=1
