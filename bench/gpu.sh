@@ -40,9 +40,9 @@ if [ -n "$cfg" ]; then
     run offline_small_eager $py -m service.cli bench offline --model "$models/small" \
         --enforce-eager --skip-hf --json "$out/offline_small_eager.json"
     if $py -c "import starlette, uvicorn, websockets" 2>/dev/null; then
-        run ws_small $py -m service.cli bench ws --model "$models/small" \
+        run ws_small $py -m service.cli bench ws --model "$models/small" --rounds 5 \
             --json "$out/ws_small.json"
-        run ws_small_sync $py -m service.cli bench ws --model "$models/small" \
+        run ws_small_sync $py -m service.cli bench ws --model "$models/small" --rounds 5 \
             --no-async-output --json "$out/ws_small_sync.json"
     fi
 fi

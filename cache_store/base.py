@@ -57,11 +57,11 @@ class KVTier(ABC):
         Presence is a hint: a key may still be gone by the time it is read."""
 
     @abstractmethod
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The values of `keys`, None for each one missing; refreshes their lifetime."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         """Store values (replacing none that exist: a key's value never changes);
         returns how many were stored."""
 

@@ -25,6 +25,8 @@ import math
 import struct
 import zlib
 
+import numpy as np
+
 MAGIC = b"TWKV"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sHH16sB6I32s32sQI")
@@ -37,16 +39,24 @@ class CorruptValue(ValueError):
 
 
 def encode_block(fingerprint: bytes, chain_hash: bytes, dtype: str, shape: tuple[int, ...],
-                 payload: bytes | memoryview) -> bytes:
-    """Header + payload as one bytes object (what the tier stores)."""
+                 payload: bytes | memoryview | np.ndarray) -> memoryview:
+    """Header + payload in one new buffer (what the tier stores), as a bytes-like view.
+
+    The checksum and the payload's copy run without the GIL (zlib and numpy release it
+    for large buffers): this runs on the host tier's I/O thread, beside an engine thread
+    that needs the GIL for every step."""
     if len(fingerprint) != 32 or len(chain_hash) != 32:
         raise ValueError("fingerprint and chain hash are 32-byte sha256 digests")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"at most {MAX_DIMS} dimensions")
+    src = np.frombuffer(payload, dtype=np.uint8)
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, dtype.encode("ascii"), len(shape),
-                          *dims, fingerprint, chain_hash, len(payload), zlib.crc32(payload))
-    return header + bytes(payload)
+                          *dims, fingerprint, chain_hash, src.size, zlib.crc32(src))
+    out = np.empty(HEADER_SIZE + src.size, dtype=np.uint8)
+    out[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
+    out[HEADER_SIZE:] = src
+    return memoryview(out)
 
 
 def decode_block(value: bytes, fingerprint: bytes, chain_hash: bytes, dtype: str,

@@ -39,8 +39,8 @@ class MemoryTier(KVTier):
         self.stats.add(lookups=len(keys))
         return n
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = []
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = []
         with self._lock:
             for k in keys:
                 v = self._data.get(k)
@@ -52,7 +52,7 @@ class MemoryTier(KVTier):
                        bytes_read=sum(len(v) for v in got))
         return out
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         stored = written = 0
         with self._lock:
             for k, v in items:

@@ -134,7 +134,7 @@ class RedisTier(KVTier):
                        bytes_read=sum(len(v) for v in got))
         return list(vals)
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         if not items:
             return 0
         res = self._call(self._pipeline(

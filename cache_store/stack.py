@@ -35,8 +35,8 @@ class TierStack(KVTier):
                 break
         return pos
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         for level, t in enumerate(self.tiers):
             if not todo:
@@ -51,7 +51,7 @@ class TierStack(KVTier):
             todo = [i for i, v in zip(todo, vals) if v is None]
         return out
 
-    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+    def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         return max(t.put_many(items) for t in self.tiers)
 
     def delete(self, keys: Sequence[str]) -> None:

@@ -66,16 +66,17 @@ class AttentionBackend(ABC):
         """Store this step's k, v [num_tokens, kv_heads, head_dim] at their slots."""
 
     @abstractmethod
-    def read_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of whole blocks' K and V in the canonical layout
-        [len(block_ids), block_size, kv_heads, head_dim] (what the host tier stores,
-        whatever this backend's cache layout)."""
+    def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """Whole blocks of every layer's K and V, from the model's cache `kv` [layers, 2,
+        *cache_shape], in the canonical layout [len(block_ids), layers, 2, block_size,
+        kv_heads, head_dim] (what the host tier stores, whatever this backend's cache
+        layout). One gather for all layers; the result is a permuted view."""
 
     @abstractmethod
-    def write_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        """The inverse of read_blocks: store whole blocks given in the canonical layout."""
+    def scatter_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,
+                       data: torch.Tensor) -> None:
+        """The inverse of gather_blocks: store whole blocks given in the canonical layout
+        (on the cache's device)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -150,16 +151,13 @@ class CpuAttention(AttentionBackend):
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
-    def read_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [kv_heads, n, bs, d] -> [n, bs, kv_heads, d]
-        return (k_cache.index_select(1, block_ids).permute(1, 2, 0, 3),
-                v_cache.index_select(1, block_ids).permute(1, 2, 0, 3))
+    def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        # [layers, 2, kv_heads, n, bs, d] -> [n, layers, 2, bs, kv_heads, d]
+        return kv.index_select(3, block_ids).permute(3, 0, 1, 4, 2, 5)
 
-    def write_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        k_cache[:, block_ids] = k.permute(2, 0, 1, 3)
-        v_cache[:, block_ids] = v.permute(2, 0, 1, 3)
+    def scatter_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,
+                       data: torch.Tensor) -> None:
+        kv.index_copy_(3, block_ids, data.permute(1, 2, 4, 0, 3, 5))
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata:
         bs = self.block_size

@@ -93,14 +93,13 @@ class TritonAttention(AttentionBackend):
         return self._paged(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                            meta.query_start_loc, self.scale, meta.max_query_len)
 
-    def read_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return k_cache[block_ids], v_cache[block_ids]
+    def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        # [layers, 2, n, bs, kv_heads, d] -> [n, layers, 2, bs, kv_heads, d]
+        return kv.index_select(2, block_ids).permute(2, 0, 1, 3, 4, 5)
 
-    def write_blocks(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor) -> None:
-        k_cache[block_ids] = k
-        v_cache[block_ids] = v
+    def scatter_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,
+                       data: torch.Tensor) -> None:
+        kv.index_copy_(2, block_ids, data.permute(1, 2, 0, 3, 4, 5))
 
 
 class TritonInterpretAttention(TritonAttention):

@@ -33,7 +33,7 @@ from cache_store import CorruptValue, KVTier, decode_block, encode_block
 from engine.block_manager import KVCacheManager
 from engine.config import TierConfig
 from engine.request import Request
-from engine.runner import ModelRunner
+from engine.runner import BlockCopy, ModelRunner
 
 log = logging.getLogger("tidewire.kv_offload")
 
@@ -103,7 +103,7 @@ class _Load:
 @dataclass(eq=False)
 class _Write:
     hashes: list[bytes]
-    data: torch.Tensor  # [n, *block_shape], a private copy
+    data: BlockCopy  # [n, *block_shape], a private copy (maybe still in flight)
 
 
 @dataclass
@@ -373,7 +373,7 @@ class KVOffload:
         self._arrived.set()
 
     def _write(self, job: _Write) -> None:
-        raw = job.data.view(torch.uint8).reshape(len(job.hashes), -1).numpy()
+        raw = job.data.wait().view(torch.uint8).reshape(len(job.hashes), -1).numpy()
         items = [(tier_key(self.fingerprint, h),
                   encode_block(self.fingerprint, h, self.dtype_name, self.shape, raw[i]))
                  for i, h in enumerate(job.hashes)]

@@ -26,6 +26,20 @@ class Sampled:
     logprobs: dict[str, TokenLogprob] | None = None
 
 
+@dataclass(slots=True)
+class BlockCopy:
+    """Blocks on their way to the host (ModelRunner.read_blocks)."""
+
+    data: torch.Tensor  # [n, layers, 2, block_size, kv_heads, head_dim], CPU
+    done: torch.cuda.Event | None = None  # recorded after the device-to-host copy
+
+    def wait(self) -> torch.Tensor:
+        """The blocks, once the copy has landed (any thread)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.data
+
+
 @dataclass
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
@@ -49,11 +63,11 @@ class ModelRunner:
         self.attn = attn
         self.device = torch.device(attn.device)
         self.model = LlamaModel(arch, weights, dtype, attn)
-        shape = attn.cache_shape(num_blocks)
-        dev = self.device
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=dev),
-                           torch.zeros(shape, dtype=dtype, device=dev))
-                          for _ in range(arch.num_layers)]
+        # One tensor holds every layer's K and V cache, so that moving whole blocks to
+        # or from the host tier is one gather or scatter, not two per layer.
+        self.kv = torch.zeros((arch.num_layers, 2, *attn.cache_shape(num_blocks)),
+                              dtype=dtype, device=self.device)
+        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv.unbind(0)]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
@@ -138,24 +152,26 @@ class ModelRunner:
         return (len(self.kv_caches), 2, a.block_size, a.num_kv_heads, a.head_dim)
 
     @torch.inference_mode()
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copies of whole blocks: [n, layers, 2, block_size, kv_heads, head_dim]."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        out = torch.empty((len(block_ids), *self.block_shape()), dtype=self.kv_caches[0][0].dtype,
-                          device=self.device)
-        for layer, (kc, vc) in enumerate(self.kv_caches):
-            k, v = self.attn.read_blocks(kc, vc, idx)
-            out[:, layer, 0] = k
-            out[:, layer, 1] = v
-        return out.cpu()  # (a no-op on the CPU)
+    def read_blocks(self, block_ids: list[int]) -> BlockCopy:
+        """Copies of whole blocks, [n, layers, 2, block_size, kv_heads, head_dim] on the
+        CPU, for the host tier's I/O thread. On a GPU the copy is queued on the stream
+        ahead of whatever later overwrites those blocks, into pinned memory, and this
+        thread does not wait for it: BlockCopy.wait() (on the I/O thread) does."""
+        idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        blocks = self.attn.gather_blocks(self.kv, idx).contiguous()
+        if self.device.type != "cuda":
+            return BlockCopy(blocks)
+        host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+        host.copy_(blocks, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return BlockCopy(host, done)
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Store whole blocks given as read_blocks returns them."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        data = data.to(self.device, non_blocking=True)
-        for layer, (kc, vc) in enumerate(self.kv_caches):
-            self.attn.write_blocks(kc, vc, idx, data[:, layer, 0], data[:, layer, 1])
+        idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        self.attn.scatter_blocks(self.kv, idx, data.to(self.device, non_blocking=True))
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -341,3 +341,32 @@ def test_engine_on_cuda_matches_cpu_backend_and_hf(tiny_models, head_dim: int) -
             assert sorted(graphs._graphs) == [1, 2, 4, 8] and graphs.replays > 0
     assert outs["cuda", False] == outs["cuda", True] == outs["cpu", True] \
         == hf_greedy(path, prompts + long, 16)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton-interpret", "cuda"])
+def test_block_copies_round_trip_in_the_canonical_layout(tiny_models, backend: str) -> None:
+    """The host tier's block copies (one gather / scatter over the whole cache) use the
+    canonical layout [n, layers, 2, block_size, kv_heads, head_dim] whatever the
+    backend's cache layout, touch only the named blocks, and (on a GPU) arrive through
+    an asynchronous copy that BlockCopy.wait() completes."""
+    from engine import LLM
+
+    if backend == "cuda" and DEV != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    if backend == "triton-interpret" and DEV == "cuda":
+        pytest.skip("a GPU is present: the cuda case runs")
+    llm = LLM(model=str(tiny_models("llama", 0)), dtype="float32", attention_backend=backend,
+              kv_tier="none", enforce_eager=True)
+    runner = llm.engine.runner
+    ids = [5, 0, 2]
+    data = torch.randn((len(ids), *runner.block_shape()), generator=torch.Generator().manual_seed(0))
+    runner.write_blocks(ids, data)
+    copy = runner.read_blocks(ids)
+    assert (copy.done is not None) == (backend == "cuda")
+    assert torch.equal(copy.wait(), data)
+    for i, b in enumerate(ids):
+        for layer, caches in enumerate(runner.kv_caches):
+            for j, cache in enumerate(caches):  # K, then V
+                block = cache[:, b].permute(1, 0, 2) if backend == "cpu" else cache[b]
+                assert torch.equal(block.cpu(), data[i, layer, j])
+    assert int(torch.count_nonzero(runner.kv)) == int(torch.count_nonzero(data))
