@@ -52,3 +52,13 @@ def test_cli_bounds_openmp_spinning_before_torch_loads() -> None:
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                              timeout=120, check=True, env=base | extra)
         assert out.stdout.strip() == repr([want])
+
+
+def test_serve_async_output_flag_and_env(monkeypatch) -> None:
+    from service.cli import build_parser
+
+    monkeypatch.delenv("TIDEWIRE_ASYNC_OUTPUT", raising=False)
+    assert build_parser().parse_args(["serve"]).async_output is True
+    assert build_parser().parse_args(["serve", "--no-async-output"]).async_output is False
+    monkeypatch.setenv("TIDEWIRE_ASYNC_OUTPUT", "0")
+    assert build_parser().parse_args(["serve"]).async_output is False
