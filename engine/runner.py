@@ -157,7 +157,7 @@ class ModelRunner:
         CPU, for the host tier's I/O thread. On a GPU the copy is queued on the stream
         ahead of whatever later overwrites those blocks, into pinned memory, and this
         thread does not wait for it: BlockCopy.wait() (on the I/O thread) does."""
-        idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         blocks = self.attn.gather_blocks(self.kv, idx).contiguous()
         if self.device.type != "cuda":
             return BlockCopy(blocks)
@@ -170,7 +170,7 @@ class ModelRunner:
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Store whole blocks given as read_blocks returns them."""
-        idx = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.attn.scatter_blocks(self.kv, idx, data.to(self.device, non_blocking=True))
 
     def release(self, request_id: str) -> None:
