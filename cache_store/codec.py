@@ -50,12 +50,12 @@ def encode_block(fingerprint: bytes, chain_hash: bytes, dtype: str, shape: tuple
     if len(shape) > MAX_DIMS:
         raise ValueError(f"at most {MAX_DIMS} dimensions")
     src = np.frombuffer(payload, dtype=np.uint8)
+    out = np.empty(HEADER_SIZE + src.size, dtype=np.uint8)
+    out[HEADER_SIZE:] = src  # first: fresh pages fault in here, outside the GIL
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, dtype.encode("ascii"), len(shape),
                           *dims, fingerprint, chain_hash, src.size, zlib.crc32(src))
-    out = np.empty(HEADER_SIZE + src.size, dtype=np.uint8)
     out[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
-    out[HEADER_SIZE:] = src
     return memoryview(out)
 
 

@@ -70,7 +70,9 @@ class AttentionBackend(ABC):
         """Whole blocks of every layer's K and V, from the model's cache `kv` [layers, 2,
         *cache_shape], in the canonical layout [len(block_ids), layers, 2, block_size,
         kv_heads, head_dim] (what the host tier stores, whatever this backend's cache
-        layout). One gather for all layers; the result is a permuted view."""
+        layout). One gather for all layers into a new tensor, never a view of the cache
+        (later writes to the cache leave it alone); the result may be a permuted view of
+        that tensor."""
 
     @abstractmethod
     def scatter_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,

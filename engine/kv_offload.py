@@ -2,7 +2,10 @@
 
 Engine thread (all bookkeeping, all KV tensor access):
 - a cached block the pool evicts is copied out before anything overwrites it (write-back);
-  with write-through, prompt blocks are copied as soon as they are full;
+  with write-through, prompt blocks are copied as soon as they are full. Only the copy's
+  first half, a gather into a private device tensor, runs before the step's forward
+  (capture); its move to pinned host memory and the hand-off to the I/O thread wait
+  until the forward is under way (ship);
 - at admission, `start` asks the tier for the request's blocks past its device hits and
   the request waits in LOADING; `poll` (each schedule) puts what arrived into free
   device blocks under their hashes, where the admission finds them as ordinary prefix
@@ -45,15 +48,19 @@ _LOOKUP_WAIT_PER_STEP = 0.002
 
 
 def tune_malloc() -> bool:
-    """glibc only: serve allocations under 1 MB from the heap and keep up to 256 MB of
-    freed heap instead of returning it to the OS at once.
+    """glibc only: serve allocations up to 32 MB (glibc's ceiling for this setting) from
+    the heap and keep up to 256 MB of freed heap instead of returning it to the OS at
+    once.
 
     A tier load receives tens of MB of ~0.4 MB values on the I/O thread. With glibc's
     defaults each of those buffers was a fresh mmap (or a fresh per-thread arena) whose
     pages faulted in on first touch: a 46 MB Redis load took 220-340 ms inside the
-    engine process against 30-50 ms with these settings (the same as
-    MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=268435456). Process-wide, so
-    applied once, when a host tier is configured. Returns whether it was applied."""
+    engine process against 30-50 ms with the heap serving them. The ceiling was 1 MB
+    until it showed a price of its own: fixing the threshold turns off glibc's dynamic
+    one, and then every larger per-step buffer (the CPU backend's logits, 6-12 MB at
+    batch 64 over a 49k vocabulary) was a fresh mapping too, ~500k page faults and
+    1.5 s of system time per chat-64 run on the CPU (1.3k faults at 32 MB). Process-wide,
+    so applied once, when a host tier is configured. Returns whether it was applied."""
     import ctypes
     import ctypes.util
 
@@ -64,7 +71,7 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
 
 
 def kv_fingerprint(model_id: str, weights_checksum: str, kv_dtype: str, block_size: int,
@@ -133,6 +140,7 @@ class KVOffload:
         self.stats = OffloadStats()
         self._loads: dict[str, _Load] = {}
         self._evicted: list[tuple[int, bytes]] = []
+        self._captured: list[tuple[list[bytes], torch.Tensor]] = []  # snapshots to ship
         self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the tier has
         self._cv = threading.Condition()
         self._load_q: deque[_Load] = deque()
@@ -268,11 +276,27 @@ class KVOffload:
             self._evicted.append((block_id, block_hash))
 
     def capture(self) -> None:
-        """Copy out the blocks evicted since the last call; must run before the model
-        (or a load) writes into them."""
+        """Snapshot the blocks evicted since the last call (one gather on the device);
+        must run before the model (or a load) writes into them. ship() sends them on."""
         if self._evicted:
             ev, self._evicted = self._evicted, []
-            self._enqueue([h for _, h in ev], [b for b, _ in ev], block=False)
+            self._snapshot([h for _, h in ev], [b for b, _ in ev], block=False)
+
+    @property
+    def captured(self) -> bool:
+        """Whether snapshots wait for ship()."""
+        return bool(self._captured)
+
+    def ship(self) -> None:
+        """Start the host copies of the snapshots taken since the last call and queue
+        them for the I/O thread. The engine calls this once the step's forward is under
+        way, where the thread would otherwise only wait for the device."""
+        if self._captured:
+            captured, self._captured = self._captured, []
+            writes = [_Write(hashes, self.runner.to_host(blocks)) for hashes, blocks in captured]
+            with self._cv:
+                self._write_q.extend(writes)
+                self._cv.notify_all()
 
     def write_through(self) -> None:
         """Queue the prompt blocks that became full this step (write-through mode)."""
@@ -281,25 +305,30 @@ class KVOffload:
             todo = [(b, h) for b, h in fresh if h not in self._known]
             fresh.clear()
             if todo:
-                self._enqueue([h for _, h in todo], [b for b, _ in todo], block=False)
+                self._snapshot([h for _, h in todo], [b for b, _ in todo], block=False)
+                self.ship()
 
     def flush(self, timeout: float = 30.0) -> int:
         """Write every cached device block the tier does not have yet and wait for the
         queue to drain (graceful shutdown). Returns the number of blocks queued."""
         self.capture()
+        self.ship()
         todo = [(b.block_id, h) for h, b in self.kv.pool.cached.items() if h not in self._known]
         deadline = time.monotonic() + timeout
         for i in range(0, len(todo), 64):
             part = todo[i : i + 64]
-            self._enqueue([h for _, h in part], [b for b, _ in part], block=True,
-                          deadline=deadline)
+            self._snapshot([h for _, h in part], [b for b, _ in part], block=True,
+                           deadline=deadline)
+            self.ship()
         with self._cv:
             while self._pending_writes and time.monotonic() < deadline:
                 self._cv.wait(deadline - time.monotonic())
         return len(todo)
 
-    def _enqueue(self, hashes: list[bytes], block_ids: list[int], block: bool,
-                 deadline: float = 0.0) -> None:
+    def _snapshot(self, hashes: list[bytes], block_ids: list[int], block: bool,
+                  deadline: float = 0.0) -> None:
+        """Reserve room in the write queue (or drop the blocks: the tier is a cache) and
+        take their device snapshot."""
         with self._cv:
             limit = self.config.max_pending_writes
             while block and self._pending_writes + len(hashes) > limit \
@@ -309,12 +338,9 @@ class KVOffload:
                 self.stats.dropped_writes += len(hashes)
                 return
             self._pending_writes += len(hashes)
-        data = self.runner.read_blocks(block_ids)
+        self._captured.append((hashes, self.runner.snapshot_blocks(block_ids)))
         for h in hashes:
             self._remember(h)
-        with self._cv:
-            self._write_q.append(_Write(hashes, data))
-            self._cv.notify_all()
 
     def _remember(self, h: bytes) -> None:
         known = self._known
@@ -389,6 +415,7 @@ class KVOffload:
 
     def close(self) -> None:
         """Stop the worker (after the writes already queued) and close the tier."""
+        self.ship()
         with self._cv:
             self._stopping = True
             self._cv.notify_all()

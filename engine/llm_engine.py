@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -263,11 +264,17 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if offload is not None:
             offload.capture()  # blocks evicted by this schedule, before the model reuses them
+            if offload.captured:  # their host copies start once the forward is under way
+                launched = partial(self._ship_then, offload, launched)
         if sched.empty:
-            if offload is not None and self.scheduler.loading:
-                offload.wait(0.005)  # only loads are pending: nothing to run until one lands
+            if offload is not None:
+                offload.ship()
+                if self.scheduler.loading:
+                    offload.wait(0.005)  # only loads are pending: nothing to run until one lands
             return []
         sampled = self.runner.execute(sched, launched)
+        if offload is not None:
+            offload.ship()  # (a no-op: launched did it)
         now = time.monotonic()
         touched = self.scheduler.advance(sched, sampled.tokens)
         self.num_steps += 1
@@ -291,6 +298,12 @@ class LLMEngine:
         if self.config.debug:
             self.kv.check_integrity()
         return outs
+
+    @staticmethod
+    def _ship_then(offload: KVOffload, launched: Callable[[], None] | None) -> None:
+        offload.ship()
+        if launched is not None:
+            launched()
 
     def _emit(self, r: Request, new: list[int], logprobs: list | None,
               sampled_at: float = 0.0) -> StepOutput:

@@ -152,20 +152,32 @@ class ModelRunner:
         return (len(self.kv_caches), 2, a.block_size, a.num_kv_heads, a.head_dim)
 
     @torch.inference_mode()
-    def read_blocks(self, block_ids: list[int]) -> BlockCopy:
-        """Copies of whole blocks, [n, layers, 2, block_size, kv_heads, head_dim] on the
-        CPU, for the host tier's I/O thread. On a GPU the copy is queued on the stream
-        ahead of whatever later overwrites those blocks, into pinned memory, and this
-        thread does not wait for it: BlockCopy.wait() (on the I/O thread) does."""
+    def snapshot_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A private copy of whole blocks, taken now on the cache's device (one gather),
+        in the canonical layout (maybe as a permuted view): what the blocks hold before
+        anything later overwrites them. The cheap half of read_blocks, the one that must
+        come before the next forward; to_host does the rest, off the critical path."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        blocks = self.attn.gather_blocks(self.kv, idx).contiguous()
+        return self.attn.gather_blocks(self.kv, idx)
+
+    @torch.inference_mode()
+    def to_host(self, blocks: torch.Tensor) -> BlockCopy:
+        """snapshot_blocks' copy on its way to the CPU, [n, layers, 2, block_size,
+        kv_heads, head_dim], for the host tier's I/O thread. On a GPU the copy is
+        queued on the stream, into pinned memory, and this thread does not wait for it:
+        BlockCopy.wait() (on the I/O thread) does."""
+        blocks = blocks.contiguous()
         if self.device.type != "cuda":
             return BlockCopy(blocks)
         host = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
         host.copy_(blocks, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # its waiter sleeps instead of spinning a core
         done.record()
         return BlockCopy(host, done)
+
+    def read_blocks(self, block_ids: list[int]) -> BlockCopy:
+        """Copies of whole blocks on their way to the CPU (snapshot_blocks + to_host)."""
+        return self.to_host(self.snapshot_blocks(block_ids))
 
     @torch.inference_mode()
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:

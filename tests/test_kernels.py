@@ -348,7 +348,8 @@ def test_block_copies_round_trip_in_the_canonical_layout(tiny_models, backend: s
     """The host tier's block copies (one gather / scatter over the whole cache) use the
     canonical layout [n, layers, 2, block_size, kv_heads, head_dim] whatever the
     backend's cache layout, touch only the named blocks, and (on a GPU) arrive through
-    an asynchronous copy that BlockCopy.wait() completes."""
+    an asynchronous copy that BlockCopy.wait() completes; a snapshot taken before the
+    blocks are overwritten keeps what they held."""
     from engine import LLM
 
     if backend == "cuda" and DEV != "cuda":
@@ -370,3 +371,8 @@ def test_block_copies_round_trip_in_the_canonical_layout(tiny_models, backend: s
                 block = cache[:, b].permute(1, 0, 2) if backend == "cpu" else cache[b]
                 assert torch.equal(block.cpu(), data[i, layer, j])
     assert int(torch.count_nonzero(runner.kv)) == int(torch.count_nonzero(data))
+    # A snapshot is the blocks as they were: a later write into them leaves it alone.
+    snap = runner.snapshot_blocks(ids[::-1])
+    runner.write_blocks(ids, torch.zeros_like(data))
+    assert torch.equal(runner.to_host(snap).wait(), data.flip(0))
+    assert int(torch.count_nonzero(runner.kv)) == 0

@@ -411,3 +411,35 @@ def test_a_tier_miss_is_admitted_without_a_loading_round(tiny_models, redis_serv
     while eng.has_unfinished():
         eng.step()
     llm.close(flush=False)
+
+
+def test_malloc_tuning_serves_tier_values_and_step_buffers_from_the_heap() -> None:
+    """With a host tier the engine tunes glibc's malloc (tune_malloc) so that ~0.4 MB tier
+    values and multi-MB per-step buffers (the CPU backend's logits) are reused from the
+    heap: allocated and freed again and again they fault no pages in after the first
+    time. (With the threshold at 1 MB, every 12 MB buffer was a fresh mapping: ~3k page
+    faults each.) A fresh interpreter, so that no earlier test's heap can serve them."""
+    code = textwrap.dedent("""
+        import resource, numpy as np
+        from engine.kv_offload import tune_malloc
+        if not tune_malloc():
+            print("skip")
+            raise SystemExit
+        def faults(size, n=20):
+            r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            for _ in range(n):
+                a = np.empty(size, np.uint8)
+                a.fill(1)
+                del a
+            return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0
+        faults(12 << 20, 1), faults(400 << 10, 1)  # the heap grows once
+        print(faults(12 << 20), faults(400 << 10))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "skip":
+        pytest.skip("not glibc")
+    big, small = map(int, out.stdout.split())
+    # 20 rounds of 12 MB are 61k pages; a few stray faults are allowed, not one a round.
+    assert big < 20 and small < 20, (big, small)
