@@ -265,7 +265,7 @@ class LLMEngine:
         if offload is not None:
             offload.capture()  # blocks evicted by this schedule, before the model reuses them
             if offload.captured:  # their host copies start once the forward is under way
-                launched = partial(self._ship_then, offload, launched)
+                launched = partial(self._then_ship, offload, launched)
         if sched.empty:
             if offload is not None:
                 offload.ship()
@@ -300,10 +300,12 @@ class LLMEngine:
         return outs
 
     @staticmethod
-    def _ship_then(offload: KVOffload, launched: Callable[[], None] | None) -> None:
-        offload.ship()
+    def _then_ship(offload: KVOffload, launched: Callable[[], None] | None) -> None:
+        """The caller's `launched` first (it may publish the last step's outputs, which
+        sockets wait for), then the host tier's copies (which nothing waits for)."""
         if launched is not None:
             launched()
+        offload.ship()
 
     def _emit(self, r: Request, new: list[int], logprobs: list | None,
               sampled_at: float = 0.0) -> StepOutput:

@@ -443,3 +443,34 @@ def test_malloc_tuning_serves_tier_values_and_step_buffers_from_the_heap() -> No
     big, small = map(int, out.stdout.split())
     # 20 rounds of 12 MB are 61k pages; a few stray faults are allowed, not one a round.
     assert big < 20 and small < 20, (big, small)
+
+
+def test_evicted_blocks_are_snapshotted_before_the_forward_and_shipped_after_launch(
+        tiny_models) -> None:
+    """An evicted block is gathered (snapshot) before the step's forward, which may
+    overwrite it; its host copy and the hand-off to the I/O thread come after the
+    caller's `launched` (the socket hand-off, which sockets wait for), within the same
+    step; the tier then serves it: the evicting prompts' outputs and a rerun of the first
+    prompt (loaded back from the tier) equal a run with no tier at all."""
+    path = tiny_models("llama", 0)
+    first, others = prompts(21, n=1), prompts(22, n=3) + prompts(23, n=3)
+    expected = run(make_llm(path, kv_tier="none", num_kv_blocks=24), first + others + first)[0]
+    llm = make_llm(path, kv_tier="memory", num_kv_blocks=24)
+    eng, off = llm.engine, llm.engine.offload
+    toks = run(llm, first)[0]
+    pending_at_launch: list[bool] = []
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {f"e{i}": [] for i in range(len(others))}
+    for i, p in enumerate(others):
+        eng.add(eng.make_request(p, sp, f"e{i}"))
+    while eng.has_unfinished():
+        for o in eng.step(launched=lambda: pending_at_launch.append(off.captured)):
+            out[o.request_id] += o.new_token_ids
+        assert not off.captured  # shipped within the step
+    toks += [out[f"e{i}"] for i in range(len(others))]
+    assert any(pending_at_launch), "no step evicted: the pool is too large for this test"
+    assert off.stats.dropped_writes == 0
+    again, host = run(llm, first)
+    assert host[0] > 0  # the first prompt's prefix came back from the tier
+    assert toks + again == expected
+    llm.close()
