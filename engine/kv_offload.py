@@ -290,7 +290,8 @@ class KVOffload:
     def ship(self) -> None:
         """Start the host copies of the snapshots taken since the last call and queue
         them for the I/O thread. The engine calls this once the step's forward is under
-        way, where the thread would otherwise only wait for the device."""
+        way (after the step's socket hand-off), where the thread would otherwise only
+        wait for the device."""
         if self._captured:
             captured, self._captured = self._captured, []
             writes = [_Write(hashes, self.runner.to_host(blocks)) for hashes, blocks in captured]
