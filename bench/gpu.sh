@@ -3,7 +3,8 @@
 # bare and keeps nothing): the kernel tests compiled for the GPU (parity with the torch
 # references, the engine against the CPU backend and HF), the engine thread's async
 # output on the GPU, `bench kernels`, and `bench offline` / `bench ws` (with and without
-# async output) on random-weight models of real shapes.
+# async output) / `bench prefix --parts overhead` (host tier none vs memory) on
+# random-weight models of real shapes.
 #
 #   bench/gpu.sh OUT_DIR [CONFIG_DIR]
 # CONFIG_DIR: a model directory's config.json + tokenizer files (default: the converted
@@ -39,6 +40,10 @@ if [ -n "$cfg" ]; then
         --json "$out/offline_small.json"
     run offline_small_eager $py -m service.cli bench offline --model "$models/small" \
         --enforce-eager --skip-hf --json "$out/offline_small_eager.json"
+    # the host tier's cost once the device pool evicts: none vs memory, in one process
+    run tier_overhead_small $py -m service.cli bench prefix --model "$models/small" \
+        --parts overhead --overhead-requests 64 --overhead-rounds 9 \
+        --overhead-kinds none,memory --json "$out/tier_overhead_small.json"
     if $py -c "import starlette, uvicorn, websockets" 2>/dev/null; then
         run ws_small $py -m service.cli bench ws --model "$models/small" --rounds 5 \
             --json "$out/ws_small.json"

@@ -3,8 +3,10 @@
 TTFT of a request whose prompt is a 2,000-token shared prefix plus a short suffix:
 (a) cold, (b) device prefix-cache hit, (c) after a restart, loaded from Redis,
 (d) after the device evicted it, loaded from the memory tier. Also the bytes/s of the
-Redis loads, and the throughput cost of the Redis tier on a workload with no prefix
-hits (chat-64 prompts, tier off and on alternating).
+Redis loads, and the throughput cost of the host tiers on a workload with no prefix
+hits (chat-64 prompts; tier none, memory and Redis in one process, in rotating order).
+Once the device pool is full every allocation evicts cached blocks, which a tier then
+writes: `--overhead-kv-blocks` sets the pool small enough for that to start early.
 
 Redis: `--redis-url`, or a private redis-server started on a free port.
 """
@@ -29,11 +31,17 @@ from bench.ws import free_port
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
+                   help="default: cuda when a GPU is present")
     p.add_argument("--prefix-tokens", type=int, default=2000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--redis-url", default=None, help="default: start a private redis-server")
     p.add_argument("--overhead-requests", type=int, default=32)
     p.add_argument("--overhead-rounds", type=int, default=3)
+    p.add_argument("--overhead-kv-blocks", type=int, default=None,
+                   help="device KV blocks of the overhead engines (default: by memory)")
+    p.add_argument("--overhead-kinds", default="none,memory,redis,redis_write_through",
+                   help="comma-separated tier settings to compare; the first is the baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parts", default="ttft,overhead", help="comma-separated: ttft, overhead")
     p.add_argument("--json", type=Path, default=None)
@@ -69,7 +77,8 @@ class _PrivateRedis:
 def _llm(a: argparse.Namespace, **kw: Any) -> Any:
     from engine import LLM
 
-    return LLM(model=a.model, dtype=a.dtype, max_num_batched_tokens=512, **kw)
+    return LLM(model=a.model, dtype=a.dtype, max_num_batched_tokens=512,
+               attention_backend=a.attention_backend, **kw)
 
 
 def ttft(llm: Any, prompt: list[int]) -> tuple[float, dict[str, int]]:
@@ -136,37 +145,49 @@ def measure_ttft(a: argparse.Namespace, url: str) -> dict[str, Any]:
 
 
 def measure_overhead(a: argparse.Namespace, url: str) -> dict[str, Any]:
-    """Throughput with no prefix hits: tier none vs redis (write-back, the default) vs
-    redis with write-through (every prompt block written: the most traffic), in rotating
-    order over the rounds, medians."""
-    kinds = ("none", "redis", "redis_write_through")
-    llms = {"none": _llm(a, kv_tier="none"),
-            "redis": _llm(a, kv_tier="redis", redis_url=url),
-            "redis_write_through": _llm(a, kv_tier="redis", redis_url=url,
-                                        kv_tier_write_through=True)}
+    """Throughput with no prefix hits: tier none vs memory vs redis (write-back, the
+    default) vs redis with write-through (every prompt block written: the most traffic),
+    one engine each in this process, in rotating order over the rounds, medians. Rounds
+    after the pool fills also pay for writing what it evicts."""
+    settings = {"none": dict(kv_tier="none"), "memory": dict(kv_tier="memory"),
+                "redis": dict(kv_tier="redis", redis_url=url),
+                "redis_write_through": dict(kv_tier="redis", redis_url=url,
+                                            kv_tier_write_through=True)}
+    kinds = tuple(a.overhead_kinds.split(","))
+    if not kinds or any(k not in settings for k in kinds):
+        raise SystemExit(f"--overhead-kinds: a comma-separated subset of {', '.join(settings)}")
+    blocks = {"num_kv_blocks": a.overhead_kv_blocks} if a.overhead_kv_blocks else {}
+    llms = {k: _llm(a, **settings[k], **blocks) for k in kinds}
     runs: dict[str, list[float]] = {k: [] for k in kinds}
-    vocab = llms["none"].engine.arch.vocab_size
+    vocab = llms[kinds[0]].engine.arch.vocab_size
     for llm in llms.values():  # one-time warm-ups (oneDNN kernels, page faults) first
         run_tidewire(llm, chat64(vocab, 4, seed=a.seed + 99))
     for rnd in range(a.overhead_rounds):
-        # fresh prompts each round: nothing can hit, on the device or in Redis
+        # fresh prompts each round: nothing can hit, on the device or in a tier
         work = chat64(vocab, a.overhead_requests, seed=a.seed + 100 + rnd)
-        for kind in kinds[rnd % 3:] + kinds[: rnd % 3]:
+        first = rnd % len(kinds)
+        for kind in kinds[first:] + kinds[:first]:
             runs[kind].append(run_tidewire(llms[kind], work)["output_tok_s"])
-    traffic = {k: vars(llms[k].engine.offload.stats).copy() for k in kinds[1:]}
+    traffic = {k: vars(llms[k].engine.offload.stats).copy() for k in kinds
+               if llms[k].engine.offload is not None}
     for llm in llms.values():
         llm.close(flush=False)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"output_tok_s": med, "runs": runs, "traffic": traffic,
-            "loss": {k: 1 - med[k] / med["none"] for k in kinds[1:]}}
+    return {"output_tok_s": med, "runs": runs, "traffic": traffic, "baseline": kinds[0],
+            "loss": {k: 1 - med[k] / med[kinds[0]] for k in kinds[1:]}}
 
 
 def main(a: argparse.Namespace) -> int:
-    server = None if a.redis_url else _PrivateRedis()
-    url = a.redis_url or server.url  # type: ignore[union-attr]
+    import torch
+
+    a.attention_backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    parts = a.parts.split(",")
+    needs_redis = "ttft" in parts or ("overhead" in parts and "redis" in a.overhead_kinds)
+    server = _PrivateRedis() if needs_redis and not a.redis_url else None
+    url = a.redis_url or (server.url if server is not None else "")
     try:
-        parts = a.parts.split(",")
         result: dict[str, Any] = {"model": a.model, "dtype": a.dtype,
+                                  "attention_backend": a.attention_backend,
                                   "prefix_tokens": a.prefix_tokens}
         if "ttft" in parts:
             result["ttft"] = measure_ttft(a, url)
@@ -193,6 +214,8 @@ def _report(result: dict[str, Any]) -> None:
         print(f"Redis loads: {t['redis_load_bytes_per_s'] / 1e6:.0f} MB/s")
     if "no_hit_overhead" in result:
         o = result["no_hit_overhead"]
-        print(f"no-hit workload: tier none {o['output_tok_s']['none']:.1f} tok/s; " + "; ".join(
-            f"{k} {o['output_tok_s'][k]:.1f} tok/s (loss {o['loss'][k] * 100:.1f}%)"
+        base = o["baseline"]
+        print(f"no-hit workload: tier {base} {o['output_tok_s'][base]:.1f} tok/s; " + "; ".join(
+            f"{k} {o['output_tok_s'][k]:.1f} tok/s (loss {o['loss'][k] * 100:.1f}%, "
+            f"{o['traffic'][k]['written_blocks'] if k in o['traffic'] else 0} blocks written)"
             for k in o["loss"]))
