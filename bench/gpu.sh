@@ -49,6 +49,8 @@ if [ -n "$cfg" ]; then
             --json "$out/ws_small.json"
         run ws_small_sync $py -m service.cli bench ws --model "$models/small" --rounds 5 \
             --no-async-output --json "$out/ws_small_sync.json"
+        run ws_small_no_tier $py -m service.cli bench ws --model "$models/small" --rounds 5 \
+            --kv-tier none --json "$out/ws_small_no_tier.json"
     fi
 fi
 $py -m bench.random_model "$models/llama-1b" --shape llama-1b >/dev/null || fail=1

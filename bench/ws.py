@@ -28,6 +28,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda where a GPU is present, else cpu")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-tier", default="memory", choices=["none", "memory"],
+                   help="the host tier of both engines (server and engine alone)")
     p.add_argument("--no-async-output", dest="async_output", action="store_false",
                    help="the server sends a step's outputs before the next step starts")
     p.add_argument("--num-requests", type=int, default=64)
@@ -62,7 +64,7 @@ def _start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "service.cli", "serve", "--model", a.model, "--dtype", a.dtype,
            "--port", str(port), "--max-num-seqs", str(a.max_num_seqs),
            "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-           "--attention-backend", a.attention_backend] \
+           "--attention-backend", a.attention_backend, "--kv-tier", a.kv_tier] \
         + (["--enforce-eager"] if a.enforce_eager else []) \
         + ([] if a.async_output else ["--no-async-output"])
     log = tempfile.TemporaryFile()
@@ -202,13 +204,15 @@ def main(a: argparse.Namespace) -> int:
     a.attention_backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens,
-              attention_backend=a.attention_backend, enforce_eager=a.enforce_eager)
+              attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+              kv_tier=a.kv_tier)
     vocab = llm.engine.arch.vocab_size
     warm = chat64(vocab, 4, a.seed - 1)
     run_tidewire(llm, warm)
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
                               "protocol": a.protocol, "attention_backend": a.attention_backend,
                               "enforce_eager": a.enforce_eager, "async_output": a.async_output,
+                              "kv_tier": a.kv_tier,
                               "rounds": []}
     port = free_port()
     proc = _start_server(a, port)  # the engine stays loaded here: the two runs alternate
