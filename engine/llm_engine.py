@@ -272,9 +272,7 @@ class LLMEngine:
                 if self.scheduler.loading:
                     offload.wait(0.005)  # only loads are pending: nothing to run until one lands
             return []
-        sampled = self.runner.execute(sched, launched)
-        if offload is not None:
-            offload.ship()  # (a no-op: launched did it)
+        sampled = self.runner.execute(sched, launched)  # (calls launched: ships)
         now = time.monotonic()
         touched = self.scheduler.advance(sched, sampled.tokens)
         self.num_steps += 1
