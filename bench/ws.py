@@ -1,12 +1,14 @@
 """`tidewire bench ws`: the chat-64 workload over 64 concurrent WebSocket streams to a
 `tidewire serve` process, and in the same run the engine alone (offline API) on the
 same requests. Reports socket tok/s / engine tok/s and the sampled-to-written latency of
-deltas (from the server's tidewire_delta_delivery_seconds histogram)."""
+deltas (from the server's tidewire_delta_delivery_seconds histogram, scraped after the
+warm-up and after each round: each round's quantiles are of its own deltas)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -15,11 +17,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.offline import run_tidewire
 from bench.workloads import BenchRequest, chat64
+
+DELIVERY = "tidewire_delta_delivery_seconds"  # the server's sampled-to-written histogram
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +49,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "round's (a GPU runs chat-64 in under a second: one round is noisy)")
     p.add_argument("--client-procs", type=int, default=1,
                    help="load-generator processes the 64 sockets are spread over")
+    p.add_argument("--client-sched", default="normal", choices=["normal", "batch"],
+                   help="the load generator's Linux scheduling policy while it streams. "
+                        "batch (SCHED_BATCH): a woken client does not preempt the running "
+                        "task, i.e. the server's event loop in the middle of a fan-out, "
+                        "which a co-located client on a small machine otherwise does "
+                        "(remote clients never do)")
     p.add_argument("--json", type=Path, default=None)
 
 
@@ -130,23 +141,43 @@ async def _run_streams(url: str, proto: str, work: list[BenchRequest], first: in
     return sum(counts)
 
 
-def _client_process(url: str, proto: str, work: list[BenchRequest], first: int,
+@contextlib.contextmanager
+def _client_policy(sched: str) -> Iterator[None]:
+    """Run the calling thread (and the threads it starts) under `sched`: "normal" leaves
+    it as it is; "batch" is SCHED_BATCH, restored afterwards."""
+    if sched == "normal":
+        yield
+        return
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, *before)
+
+
+def _client_process(url: str, proto: str, work: list[BenchRequest], first: int, sched: str,
                     ready: Any, go: Any, results: Any) -> None:
     """A load-generator process: connect, wait for the common start, stream, report."""
     def start() -> None:
         ready.wait()
         go.wait()
 
-    results.put(asyncio.run(_run_streams(url, proto, work, first, start)))
+    with _client_policy(sched):
+        results.put(asyncio.run(_run_streams(url, proto, work, first, start)))
 
 
-def _drive(url: str, proto: str, work: list[BenchRequest], procs: int = 1) -> dict[str, float]:
+def _drive(url: str, proto: str, work: list[BenchRequest], procs: int = 1,
+           sched: str = "normal") -> dict[str, Any]:
     """Output tokens/s of the streams from the moment every socket is connected. With
     procs > 1 the sockets are spread over that many client processes (one Python client
-    reading ~10k deltas/s can be the bottleneck next to a GPU engine)."""
+    reading ~10k deltas/s can be the bottleneck next to a GPU engine); `sched`: their
+    scheduling policy (see --client-sched)."""
     if procs <= 1:
         t: list[float] = []
-        n = asyncio.run(_run_streams(url, proto, work, 0, lambda: t.append(time.perf_counter())))
+        with _client_policy(sched):
+            n = asyncio.run(_run_streams(url, proto, work, 0,
+                                         lambda: t.append(time.perf_counter())))
         dt = time.perf_counter() - t[0]
     else:
         import multiprocessing as mp
@@ -156,7 +187,7 @@ def _drive(url: str, proto: str, work: list[BenchRequest], procs: int = 1) -> di
         parts = [list(range(i, len(work), procs)) for i in range(procs)]
         workers = [ctx.Process(target=_client_process,
                                args=(url, proto, [work[j] for j in part], part[0] if part else 0,
-                                     ready, go, results))
+                                     sched, ready, go, results))
                    for part in parts]
         for w in workers:
             w.start()
@@ -168,11 +199,12 @@ def _drive(url: str, proto: str, work: list[BenchRequest], procs: int = 1) -> di
         for w in workers:
             w.join()
     assert n == sum(r.max_tokens for r in work)
-    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt, "client_procs": procs}
+    return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt, "client_procs": procs,
+            "client_sched": sched}
 
 
-def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...]) -> dict[str, float]:
-    """Quantiles of a Prometheus histogram, linearly interpolated inside buckets."""
+def histogram_buckets(metrics_text: str, name: str) -> list[tuple[float, float]]:
+    """A Prometheus histogram's cumulative buckets, (upper edge, count), by edge."""
     from prometheus_client.parser import text_string_to_metric_families
 
     buckets = []
@@ -180,9 +212,19 @@ def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...]) -> 
         for s in fam.samples:
             if s.name == f"{name}_bucket":
                 buckets.append((float(s.labels["le"]), s.value))
-    buckets.sort()
-    total = buckets[-1][1]
-    out = {}
+    return sorted(buckets)
+
+
+def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...],
+                        since: str | None = None) -> dict[str, float]:
+    """Quantiles of a Prometheus histogram, linearly interpolated inside buckets; with
+    `since` (an earlier scrape of the same server), of what was observed after it."""
+    buckets = histogram_buckets(metrics_text, name)
+    if since is not None:
+        earlier = dict(histogram_buckets(since, name))
+        buckets = [(edge, count - earlier.get(edge, 0.0)) for edge, count in buckets]
+    total = buckets[-1][1] if buckets else 0.0
+    out: dict[str, float] = {}
     for q in qs:
         target, lo_edge, lo_count = q * total, 0.0, 0.0
         for edge, count in buckets:
@@ -194,6 +236,11 @@ def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...]) -> 
             lo_edge, lo_count = edge, count
     out["count"] = total
     return out
+
+
+def _delivery_ms(metrics_text: str, since: str) -> dict[str, float]:
+    lat = histogram_quantiles(metrics_text, DELIVERY, (0.5, 0.99), since)
+    return {k: (v if k == "count" else v * 1000) for k, v in lat.items()}
 
 
 def main(a: argparse.Namespace) -> int:
@@ -212,31 +259,31 @@ def main(a: argparse.Namespace) -> int:
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
                               "protocol": a.protocol, "attention_backend": a.attention_backend,
                               "enforce_eager": a.enforce_eager, "async_output": a.async_output,
-                              "kv_tier": a.kv_tier,
+                              "kv_tier": a.kv_tier, "client_sched": a.client_sched,
                               "rounds": []}
     port = free_port()
     proc = _start_server(a, port)  # the engine stays loaded here: the two runs alternate
     try:
         url = f"ws://127.0.0.1:{port}/v1/ws"
         _drive(url, a.protocol, warm)
-        before = histogram_quantiles(_get(f"http://127.0.0.1:{port}/metrics"),
-                                     "tidewire_delta_delivery_seconds", (0.5,))
+        start = last = _get(f"http://127.0.0.1:{port}/metrics")  # after the warm-up
         for i in range(a.rounds):
             work = chat64(vocab, a.num_requests, a.seed + i)
             rnd = {"engine": run_tidewire(llm, work)}
-            rnd["websocket"] = _drive(url, a.protocol, work, a.client_procs)
+            rnd["websocket"] = _drive(url, a.protocol, work, a.client_procs, a.client_sched)
             rnd["ratio"] = rnd["websocket"]["output_tok_s"] / rnd["engine"]["output_tok_s"]
+            metrics = _get(f"http://127.0.0.1:{port}/metrics")
+            rnd["delivery_ms"], last = _delivery_ms(metrics, last), metrics
             result["rounds"].append(rnd)
+            d = rnd["delivery_ms"]
             print(f"round {i + 1}: engine alone {rnd['engine']['output_tok_s']:8.1f}, "
                   f"websocket x{len(work)} {rnd['websocket']['output_tok_s']:8.1f} output "
-                  f"tok/s, ratio {rnd['ratio']:.3f}")
-        metrics = _get(f"http://127.0.0.1:{port}/metrics")
+                  f"tok/s, ratio {rnd['ratio']:.3f}; delta p50 {d['p50']:.3f} ms, "
+                  f"p99 {d['p99']:.3f} ms")
     finally:
         proc.terminate()
         proc.wait(30)
-    lat = histogram_quantiles(metrics, "tidewire_delta_delivery_seconds", (0.5, 0.99))
-    lat["count"] -= before["count"]  # (quantiles include the 4 warm-up streams' deltas)
-    result["delivery_ms"] = {k: v * 1000 for k, v in lat.items() if k != "count"}
+    result["delivery_ms"] = _delivery_ms(last, start)  # every round's deltas
     rounds = sorted(result["rounds"], key=lambda r: r["ratio"])
     mid = rounds[(len(rounds) - 1) // 2]  # the median round (the lower one of an even count)
     result.update(engine=mid["engine"], websocket=mid["websocket"], ratio=mid["ratio"])
@@ -244,7 +291,9 @@ def main(a: argparse.Namespace) -> int:
     print(f"websocket x{a.num_requests} {result['websocket']['output_tok_s']:8.1f} output tok/s")
     print(f"ratio          {result['ratio']:8.3f}" + (" (median round)" if a.rounds > 1 else ""))
     print("sampled->written delta latency: "
-          + ", ".join(f"{k}={v:.3f} ms" for k, v in result["delivery_ms"].items()))
+          + ", ".join(f"{k}={v:.3f} ms" for k, v in result["delivery_ms"].items()
+                    if k != "count")
+          + f" ({result['delivery_ms']['count']:.0f} deltas)")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=2))

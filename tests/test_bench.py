@@ -1,0 +1,72 @@
+"""`tidewire bench ws`: its latency arithmetic, and a whole run on a tiny model (the
+numbers themselves are the benchmark's business, not the tests')."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+from bench.workloads import chat64
+from bench.ws import histogram_quantiles
+from service.cli import main
+
+NAME = "t_delivery_seconds"
+
+
+def _scrape(hist_values: list[float], registry: CollectorRegistry, hist: Histogram) -> str:
+    for v in hist_values:
+        hist.observe(v)
+    return generate_latest(registry).decode()
+
+
+def test_histogram_quantiles_interpolate_in_buckets_and_count_only_what_came_after_since() -> None:
+    r = CollectorRegistry()
+    h = Histogram(NAME, "test", buckets=(0.001, 0.002, 0.004), registry=r)
+    # 10 observations: 4 in (0, 1 ms], 6 in (1, 2 ms]
+    first = _scrape([0.0005] * 4 + [0.0015] * 6, r, h)
+    q = histogram_quantiles(first, NAME, (0.5, 0.9))
+    assert q["count"] == 10
+    # the 5th of 10 is the first of the 6 in (1, 2]: 1 ms + 1/6 of the bucket
+    assert q["p50"] == pytest.approx(0.001 + 0.001 / 6)
+    assert q["p90"] == pytest.approx(0.001 + 0.001 * 5 / 6)
+
+    # 10 more, all in (2, 4 ms]: measured since the first scrape, they alone count
+    second = _scrape([0.003] * 10, r, h)
+    since = histogram_quantiles(second, NAME, (0.5,), since=first)
+    assert since["count"] == 10
+    assert since["p50"] == pytest.approx(0.003)
+    whole = histogram_quantiles(second, NAME, (0.5,))
+    assert whole["count"] == 20 and whole["p50"] == pytest.approx(0.002)
+
+
+def test_bench_ws_runs_rounds_against_a_real_server_and_reports_each(tiny_models, tmp_path,
+                                                                     capsys) -> None:
+    model = tiny_models("llama", seed=3)
+    out = tmp_path / "ws.json"
+    policy = "batch" if hasattr(os, "SCHED_BATCH") else "normal"
+    rc = main(["bench", "ws", "--model", str(model), "--num-requests", "6", "--max-num-seqs", "6",
+               "--rounds", "2", "--kv-tier", "none", "--client-sched", policy,
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["client_sched"] == policy and len(res["rounds"]) == 2
+    total = 0.0
+    for i, rnd in enumerate(res["rounds"]):
+        want = sum(r.max_tokens for r in chat64(320, 6, i))  # seed 0 + round
+        assert rnd["engine"]["output_tokens"] == want
+        assert rnd["websocket"]["output_tokens"] == want
+        assert rnd["websocket"]["client_sched"] == policy
+        assert rnd["ratio"] == pytest.approx(rnd["websocket"]["output_tok_s"]
+                                             / rnd["engine"]["output_tok_s"])
+        d = rnd["delivery_ms"]
+        # one delta per token at most (a step's token may merge with the next one's)
+        assert 0 < d["count"] <= want
+        assert 0 < d["p50"] <= d["p99"]
+        total += d["count"]
+    # the run's quantiles cover the rounds' deltas, not the warm-up's
+    assert res["delivery_ms"]["count"] == total
+    printed = capsys.readouterr().out
+    assert "round 2:" in printed and "delta p50" in printed and "ratio" in printed
