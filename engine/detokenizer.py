@@ -82,6 +82,10 @@ class IncrementalDetokenizer:
         self.text = ""  # all decoded output text (may include held-back text)
         self.emitted = 0  # characters of self.text already handed out
         self.stop_hit: str | None = None
+        # The byte-level path without stop strings holds nothing back: it keeps what it
+        # handed out as a list (one string grown per token is a copy of all of it per
+        # token, quadratic in the output's length) and leaves `text` empty.
+        self._pieces: list[str] = []
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
@@ -95,8 +99,7 @@ class IncrementalDetokenizer:
             t = self.table
             piece = self._utf8.decode(b"".join([t[i] for i in new_ids]), final)  # type: ignore[union-attr]
             if piece:
-                self.text += piece
-                self.emitted = len(self.text)
+                self._pieces.append(piece)
             return piece
         before = len(self.text)
         if self.table is not None:
@@ -166,4 +169,6 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """The text handed out so far (the final text once finished)."""
+        if self._pieces:
+            return "".join(self._pieces)
         return self.text[: self.emitted]

@@ -37,14 +37,32 @@ class StepOutput:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One sample of a request, cumulative."""
+    """One sample of a request, cumulative.
+
+    Its text is kept as the list of deltas (`text_chunks`) and joined when read:
+    appending to one string copies all of it, once per token, on the event loop's
+    per-delta path (quadratic in the output's length, and a cold read of the whole text
+    every step). `text_len` is its length in characters."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    text_chunks: list[str] = field(default_factory=list, repr=False)
+    text_len: int = 0
+
+    @property
+    def text(self) -> str:
+        chunks = self.text_chunks
+        if len(chunks) > 1:
+            chunks[:] = ["".join(chunks)]  # later reads pay only for what came after
+        return chunks[0] if chunks else ""
+
+    def add_text(self, delta: str) -> None:
+        if delta:
+            self.text_chunks.append(delta)
+            self.text_len += len(delta)
 
     @property
     def finished(self) -> bool:
@@ -84,7 +102,7 @@ class RequestOutput:
         """Fold one step's delta into the cumulative state."""
         out = self.outputs[step.index]
         out.token_ids.extend(step.new_token_ids)
-        out.text += step.text_delta
+        out.add_text(step.text_delta)
         if step.logprobs is not None:
             out.logprobs = (out.logprobs or []) + step.logprobs
         if step.finished:

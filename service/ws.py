@@ -70,6 +70,10 @@ class _SuspendedSend:
 
 
 class Session:
+    __slots__ = ("ws", "codec", "gw", "principal", "limits", "live", "unsent", "dropped", "sendq",
+                 "_wake", "_drained", "_sending_since", "_busy", "_dead", "_asgi_send",
+                 "_write_frame", "warms", "session_id", "__weakref__")
+
     def __init__(self, ws: WebSocket, codec: Codec, gateway: Gateway, principal: Principal) -> None:
         self.ws, self.codec, self.gw, self.principal = ws, codec, gateway, principal
         self.limits = gateway.config.limits
@@ -300,7 +304,7 @@ class Session:
                 live.seq += 1
                 index = step.index
                 c = out.outputs[index]
-                live.marks.append((index, len(c.token_ids), len(c.text)))
+                live.marks.append((index, len(c.token_ids), c.text_len))
                 frames.append(self._delta(live.rid, live.seq, index, len(out.outputs), new,
                                           text, c.logprobs if live.logprobs else None))
         if stream.finished:
@@ -446,9 +450,9 @@ class Session:
         outputs = live.adm.stream.output.outputs
         for c in outputs:
             ntok, nchar = have.get(c.index, (0, 0))
-            if len(c.token_ids) > ntok or len(c.text) > nchar:
+            if len(c.token_ids) > ntok or c.text_len > nchar:
                 live.seq += 1
-                live.marks.append((c.index, len(c.token_ids), len(c.text)))
+                live.marks.append((c.index, len(c.token_ids), c.text_len))
                 frames.append(self._delta(live.rid, live.seq, c.index, len(outputs),
                                           c.token_ids[ntok:], c.text[nchar:],
                                           (c.logprobs or []) if live.logprobs else None,
