@@ -103,8 +103,10 @@ class RequestOutput:
         out = self.outputs[step.index]
         out.token_ids.extend(step.new_token_ids)
         out.add_text(step.text_delta)
-        if step.logprobs is not None:
-            out.logprobs = (out.logprobs or []) + step.logprobs
+        if step.logprobs is not None:  # extended in place, as token_ids (not copied per step)
+            if out.logprobs is None:
+                out.logprobs = []
+            out.logprobs.extend(step.logprobs)
         if step.finished:
             out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
         self.index, self.new_token_ids, self.delta_text = (step.index, step.new_token_ids,
