@@ -202,13 +202,11 @@ class KVCacheManager:
     def update_hashes(self, req: Request) -> None:
         """Extend req.block_hashes over every full block of its known tokens."""
         bs = self.block_size
-        toks = None
         while (len(req.block_hashes) + 1) * bs <= req.num_tokens:
-            if toks is None:
-                toks = req.all_token_ids
             i = len(req.block_hashes)
             parent = req.block_hashes[-1] if i else root_hash(req.salt)
-            req.block_hashes.append(hash_block(parent, toks[i * bs : (i + 1) * bs]))
+            # one block's tokens: not a copy of the whole sequence per filled block
+            req.block_hashes.append(hash_block(parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks from the start of the request.

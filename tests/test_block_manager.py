@@ -25,6 +25,31 @@ def test_free_queue_is_lru_with_o1_removal() -> None:
     assert q.num_free == 4
 
 
+def test_token_slice_equals_slicing_all_tokens_across_the_prompt_output_boundary() -> None:
+    r = req("s", [5, 6, 7, 8, 9])
+    for t in (20, 21, 22, 23):
+        r.append_output(t)
+    whole = r.all_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 2):
+            assert r.token_slice(start, end) == whole[start:end], (start, end)
+
+
+def test_block_hashes_of_a_growing_request_equal_hashing_its_whole_sequence() -> None:
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    r = req("g", list(range(100, 110)))  # 2 full blocks + 2 tokens
+    m.update_hashes(r)
+    assert len(r.block_hashes) == 2
+    for t in range(200, 209):  # outputs fill blocks 3 (straddling) and 4
+        r.append_output(t)
+        m.update_hashes(r)
+    toks, want, h = r.all_token_ids, [], root_hash(b"")
+    for i in range(len(toks) // 4):
+        h = hash_block(h, toks[i * 4 : (i + 1) * 4])
+        want.append(h)
+    assert len(want) == 4 and r.block_hashes == want
+
+
 def test_hash_chain_is_stable_and_salted() -> None:
     h0 = hash_block(root_hash(b""), [1, 2, 3])
     assert h0 == hash_block(root_hash(b""), [1, 2, 3])
