@@ -79,13 +79,18 @@ class IncrementalDetokenizer:
         self.num_context = len(self.ids)
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""  # all decoded output text (may include held-back text)
-        self.emitted = 0  # characters of self.text already handed out
-        self.stop_hit: str | None = None
-        # The byte-level path without stop strings holds nothing back: it keeps what it
-        # handed out as a list (one string grown per token is a copy of all of it per
-        # token, quadratic in the output's length) and leaves `text` empty.
+        # What was handed out, as a list: one string grown per token would be a copy of
+        # all of it per token (quadratic in the output's length).
         self._pieces: list[str] = []
+        # The working text: decoded text not handed out yet (held back: it may be the
+        # start of a stop string), after the last `_keep` characters handed out (where a
+        # stop string ending in new text may begin). The byte-level path without stop
+        # strings holds nothing back and leaves it empty.
+        self.text = ""
+        self.emitted = 0  # characters of self.text already handed out
+        self._keep = max((len(s) for s in stop), default=1) - 1
+        self._prefixes = frozenset(s[:i] for s in stop for i in range(1, len(s)))  # proper ones
+        self.stop_hit: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
@@ -138,8 +143,7 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, before: int) -> bool:
         """Search only where a stop string could newly end; truncate at the first hit."""
-        longest = max(len(s) for s in self.stop)
-        start = max(0, before - longest + 1)
+        start = max(0, before - self._keep)
         best = None
         for s in self.stop:
             i = self.text.find(s, start)
@@ -153,22 +157,29 @@ class IncrementalDetokenizer:
 
     def _holdback(self) -> int:
         """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        tail_max = min(len(self.text) - self.emitted, max((len(s) for s in self.stop), default=0))
-        for n in range(tail_max, 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
+        text, prefixes = self.text, self._prefixes
+        for n in range(min(len(text) - self.emitted, self._keep), 0, -1):
+            if text[-n:] in prefixes:
                 return n
         return 0
 
     def _take(self, upto: int) -> str:
+        """Hand out the working text up to `upto`; keep only its last `_keep` handed-out
+        characters."""
         upto = max(upto, self.emitted)
         delta = self.text[self.emitted : upto]
+        if delta:
+            self._pieces.append(delta)
+        cut = upto - self._keep
+        if cut > 0:
+            self.text = self.text[cut:]
+            upto -= cut
         self.emitted = upto
         return delta
 
     @property
     def output_text(self) -> str:
         """The text handed out so far (the final text once finished)."""
-        if self._pieces:
-            return "".join(self._pieces)
-        return self.text[: self.emitted]
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""

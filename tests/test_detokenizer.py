@@ -78,6 +78,31 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok, table) -> None:
     assert shown == "We reached the beginning"  # decided: not a stop string
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_stop_strings_in_long_random_text_cut_at_the_first_occurrence(tok, table,
+                                                                       seed: int) -> None:
+    """The detokenizer keeps only a window of the text it handed out; stop strings of
+    several lengths (some straddling many tokens, some never present) must still cut
+    the text exactly where the first of them begins, and hold back nothing else."""
+    rng = random.Random(seed)
+    words = ["tide", "wire", "sea", "🌊", "潮汐", " ", " ", ", ", "the", "end", "é", "\n"]
+    text = "".join(rng.choice(words) for _ in range(rng.randint(200, 600)))
+    a = rng.randrange(len(text) // 3, len(text) - 20)
+    stops = tuple({text[a : a + rng.randint(2, 12)], "zz-never", rng.choice(words) + "¤"})
+    first = min((text.find(x) for x in stops if x in text), default=-1)
+    expect = text[:first]
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], True, stops, table)
+    out, i = [], 0
+    while i < len(ids) and d.stop_hit is None:
+        n = rng.randint(1, 3)
+        out.append(d.push(ids[i:i + n], final=i + n >= len(ids)))
+        i += n
+    assert "".join(out) == expect == d.output_text
+    assert d.stop_hit is not None and text[first:].startswith(d.stop_hit)
+    assert len(d.text) < max(len(x) for x in stops)  # a window, not the whole text
+
+
 @pytest.mark.parametrize("skip", [True, False])
 def test_byte_table_matches_decode_on_every_token(tok, tables, skip: bool) -> None:
     table = tables[skip]
