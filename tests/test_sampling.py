@@ -77,23 +77,34 @@ def test_min_p_matches_hf(logits, m: float) -> None:
 
 @pytest.mark.parametrize("pen", [0.7, 1.3, 2.0])
 def test_repetition_penalty_matches_hf(logits, pen: float) -> None:
-    seen = [[1, 2, 2, 50], [299, 0], [7], [3, 4, 5, 6, 7, 8]]
+    seen = [[1, 2, 2, 50], [299, 0], [7], [3, 4, 5, 6, 7, 8, 3, 3]]
     for row, ids in enumerate(seen):
         want = RepetitionPenaltyLogitsProcessor(pen)(torch.tensor([ids]), logits[row:row + 1].clone())
-        got = apply_repetition_penalty(logits[row:row + 1], [ids], torch.tensor([pen]))
+        got = apply_repetition_penalty(logits[row:row + 1].clone(), [ids], torch.tensor([pen]))
         assert torch.equal(got, want)
+    # all rows in one call (rows of unequal length, an empty one, per-row penalties),
+    # in place: each row as HF has it, the empty row untouched
+    rows = [[1, 2, 2, 50], [], [0, 299, 0], [3, 4, 5, 6, 7, 8, 3, 3]]
+    pens = torch.tensor([pen, 1.5, 0.9, pen])
+    batch = logits.clone()
+    assert apply_repetition_penalty(batch, rows, pens) is batch
+    for r, ids in enumerate(rows):
+        want = logits[r:r + 1].clone()
+        if ids:
+            want = RepetitionPenaltyLogitsProcessor(float(pens[r]))(torch.tensor([ids]), want)
+        assert torch.equal(batch[r:r + 1], want), r
 
 
 def test_presence_frequency_match_openai(logits) -> None:
-    outputs = [[1, 1, 1, 9], [], [5, 6], [299, 299]]
+    outputs = [[1, 1, 1, 9], [], [5, 6, 5, 0, 0, 0, 0], [299, 299]]
     pres, freq = torch.tensor([0.5, 1.0, -0.5, 2.0]), torch.tensor([0.25, 0.0, 1.5, -1.0])
-    got = apply_presence_frequency(logits, outputs, pres, freq)
+    got = apply_presence_frequency(logits.clone(), outputs, pres, freq)
     want = logits.clone()
     for r, ids in enumerate(outputs):  # mu[j] - c[j] * a_freq - float(c[j] > 0) * a_pres
         for tok in set(ids):
             c = ids.count(tok)
-            want[r, tok] -= c * freq[r] + (1.0 if c > 0 else 0.0) * pres[r]
-    assert torch.allclose(got, want, atol=1e-6)
+            want[r, tok] = want[r, tok] - c * freq[r] - (1.0 if c > 0 else 0.0) * pres[r]
+    assert torch.equal(got, want)  # the same float operations, in the same order
 
 
 # -- the sampler ------------------------------------------------------------------------
@@ -214,3 +225,28 @@ def test_min_tokens_and_stop_token_ids(tiny_models) -> None:
     late = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, min_tokens=8,
                                                  stop_token_ids=[stop_tok]))[0]
     assert len(late.token_ids) >= 8 and stop_tok not in late.token_ids[:7]
+
+
+@torch.inference_mode()
+def test_engine_repetition_penalty_equals_hf_generate(tiny_models) -> None:
+    """Greedy with repetition_penalty through the whole engine, token for token against
+    HF generate: a batch where only some rows are penalized (the sampler's subset path)
+    and one where all are (in place on the step's logits)."""
+    path = tiny_models("llama", 0)
+    llm = LLM(model=str(path), dtype="float32")
+    prompts = random_prompts(4, 5, 40, 320, seed=21)
+    model = hf_model(path)
+
+    def hf(p: list[int], pen: float) -> list[int]:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=24, pad_token_id=0, eos_token_id=None,
+                             repetition_penalty=pen)
+        return out[0, len(p):].tolist()
+
+    for pens in ([1.3, 1.0, 1.8, 1.0], [1.3, 1.1, 1.8, 2.5]):
+        params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                 repetition_penalty=pen) for pen in pens]
+        outs = llm.generate(prompts, params)
+        for o, p, pen in zip(outs, prompts, pens):
+            assert o.token_ids == hf(p, pen), pen
