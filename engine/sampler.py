@@ -1,10 +1,12 @@
 """Vectorized token sampling over a whole step's logits.
 
 Each transformation works on the rows that need it, in one batched op (no Python loop
-over the vocabulary). The order is documented on SamplingParams. Sampled rows draw with
-the exponential-race trick (argmax of p / E, E ~ Exp(1)), which needs one noise vector
-per row: a seeded request draws its noise from its own generator, so it gets the same
-tokens whatever batch it runs in.
+over the vocabulary). The order is documented on SamplingParams. A sampled row draws by
+inverting its distribution's cumulative sum with one uniform number: a seeded request
+draws it from its own generator, so it gets the same tokens whatever batch it runs in.
+(The exponential race, argmax of p / E with E ~ Exp(1), needs a random number per
+vocabulary entry: 54 ms a step for 64 rows of a 49k vocabulary on a 2-core CPU, against
+~1 ms for the cumulative sum.)
 """
 
 from __future__ import annotations
@@ -132,10 +134,55 @@ def apply_temperature(logits: torch.Tensor, temps: torch.Tensor) -> torch.Tensor
     return logits / temps[:, None]
 
 
-def apply_top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+_TOP_P_CANDIDATES = 1024  # top-p looks for its cut among this many top tokens first
+
+
+def apply_top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor,
+                      candidates: int = _TOP_P_CANDIDATES) -> torch.Tensor:
     """Mask (to -inf) all but the top k tokens (k = vocab: off), then the tail whose
     ascending cumulative probability is <= 1 - p (HF's rule; the top token always
-    stays). One descending sort serves both."""
+    stays). Returns a new tensor.
+
+    Both cuts fall among the top tokens, so they are found with `topk` over
+    max(k, `candidates`) tokens instead of a sort of the whole vocabulary (on a 2-core
+    CPU, 64 x 49k: topk 1024 12 ms, 8192 24 ms, the sort 90 ms). A row whose top-p cut
+    could lie past the candidates (they hold less than p of its mass) is done again with
+    8x as many, up to the whole vocabulary (the sort)."""
+    vocab = logits.shape[-1]
+    top_k = ks < vocab
+    top_p = ps < 1.0
+    kmax = int(ks[top_k].max()) if bool(top_k.any()) else 0
+    # a top-p cut in a row with a top-k lies within its top k
+    n = min(vocab, max(kmax, candidates if bool((top_p & ~top_k).any()) else 0))
+    if n >= vocab:
+        return _top_k_top_p_sorted(logits, ks, ps)
+    vals, idx = logits.topk(n, dim=-1)  # descending
+    ranks = torch.arange(n)[None, :]
+    vals = vals.masked_fill(ranks >= ks[:, None], float("-inf"))
+    # each row's distribution over the candidates, and its mass outside them (none
+    # once a top-k has cut the rest away)
+    norm = vals.logsumexp(dim=-1)
+    if not bool(top_k.all()):
+        norm = torch.where(top_k, norm, logits.logsumexp(dim=-1))
+    probs = (vals - norm[:, None]).exp()
+    outside = torch.where(top_k, 0.0, (1.0 - probs.sum(dim=-1)).clamp_(min=0.0))
+    tail = probs.flip(-1).cumsum(-1).flip(-1) + outside[:, None]  # mass at or below each rank
+    remove = tail <= (1 - ps[:, None])
+    remove[:, 0] = False
+    vals = vals.masked_fill(remove, float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals)
+    either = top_k | top_p
+    if not bool(either.all()):
+        out = torch.where(either[:, None], out, logits)  # rows with neither: as they are
+    wide = top_p & ~top_k & (outside > 1 - ps)  # the cut may lie past the candidates
+    if bool(wide.any()):
+        rows = wide.nonzero()[:, 0]
+        out[rows] = apply_top_k_top_p(logits[rows], ks[rows], ps[rows], candidates * 8)
+    return out
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """apply_top_k_top_p with one descending sort of the whole vocabulary."""
     vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1, descending=True)
     ordered = ordered.masked_fill(torch.arange(vocab)[None, :] >= ks[:, None], float("-inf"))
@@ -145,6 +192,18 @@ def apply_top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor) 
     remove[:, 0] = False
     ordered = ordered.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [rows, vocab] (each row sums to ~1; masked tokens are
+    0) by inverse transform: the first index whose cumulative sum exceeds u times the
+    row's total. u [rows] in [0, 1). A token of probability 0 is never drawn: its
+    cumulative sum equals its predecessor's, and the draw is kept strictly under the
+    total."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    v = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, v, right=True)[:, 0]
 
 
 def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -214,15 +273,16 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             x = apply_min_p(x, torch.tensor([p.min_p for p in params]))
         probs = torch.softmax(x, dim=-1)
-        noise = self._noise(probs.shape, [batch.generators[i] for i in rows])
-        return greedy_tokens.index_copy(0, idx, (probs / noise).argmax(dim=-1))
+        u = self._uniform([batch.generators[i] for i in rows])
+        return greedy_tokens.index_copy(0, idx, sample_from(probs, u))
 
-    def _noise(self, shape: torch.Size, generators: list[torch.Generator | None]) -> torch.Tensor:
-        noise = torch.empty(shape).exponential_(generator=self.generator)
+    def _uniform(self, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One U[0, 1) number per row: from the row's own generator when it has one."""
+        u = torch.rand(len(generators), generator=self.generator)
         for i, g in enumerate(generators):
             if g is not None:
-                noise[i].exponential_(generator=g)
-        return noise
+                u[i] = torch.rand(1, generator=g)[0]
+        return u
 
     @staticmethod
     def _logprobs(lp: torch.Tensor | None, tokens: torch.Tensor, token_list: list[int],

@@ -13,8 +13,10 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine import sampler as sampler_mod
 from engine.sampler import (Sampler, SamplingBatch, apply_min_p, apply_presence_frequency,
-                            apply_repetition_penalty, apply_temperature, apply_top_k_top_p)
+                            apply_repetition_penalty, apply_temperature, apply_top_k_top_p,
+                            sample_from)
 from tests.conftest import hf_model, random_prompts
 
 
@@ -67,6 +69,52 @@ def test_top_p_matches_hf(logits, p: float) -> None:
     want = TopPLogitsWarper(p)(None, logits.clone())
     got = apply_top_k_top_p(logits, torch.full((4,), 300), torch.full((4,), p))
     assert torch.equal(torch.isinf(got), torch.isinf(want))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_top_k_top_p_over_candidates_match_hf_on_a_large_vocabulary(seed: int,
+                                                                    monkeypatch) -> None:
+    """With a vocabulary past the 1,024 candidates: peaked rows cut among them, flatter
+    ones need 8x as many, the flattest the full sort; rows with a top-k cut within it;
+    a row with neither stays as it is. Each row equals HF's top-k then top-p."""
+    tiers = []
+    real = sampler_mod.apply_top_k_top_p
+    monkeypatch.setattr(sampler_mod, "apply_top_k_top_p",
+                        lambda *a, **k: tiers.append(a[3] if len(a) > 3 else 1024) or real(*a, **k))
+    sorted_rows = []
+    real_sorted = sampler_mod._top_k_top_p_sorted
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_sorted",
+                        lambda x, *a: sorted_rows.append(len(x)) or real_sorted(x, *a))
+    vocab = 20_000
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([8.0, 8.0, 2.5, 0.05, 8.0, 3.0, 1.0, 8.0])[:, None]
+    logits = torch.randn(8, vocab, generator=g) * scales
+    ks = torch.tensor([vocab, 40, vocab, vocab, 3000, vocab, 100, vocab])
+    ps = torch.tensor([0.9, 0.95, 0.95, 0.5, 0.8, 0.99, 1.0, 1.0])
+    got = real(logits.clone(), ks, ps)
+    for r in range(8):
+        want = logits[r:r + 1].clone()
+        if ks[r] < vocab:
+            want = TopKLogitsWarper(int(ks[r]))(None, want)
+        if ps[r] < 1:
+            want = TopPLogitsWarper(float(ps[r]))(None, want)
+        kept = ~torch.isinf(want)
+        assert torch.equal(~torch.isinf(got[r:r + 1]), kept), r
+        assert torch.equal(got[r:r + 1][kept], want[kept]), r
+    # rows 2, 3 and 5 have under p of their mass in the top 1,024; row 3 even in the
+    # top 8,192 (the next tier is the whole vocabulary: the sort)
+    assert tiers == [8192, 65536] and sorted_rows == [1]
+
+
+def test_sample_from_inverts_the_cdf_and_never_draws_a_zero_probability_token() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0],
+                          [0.25, 0.25, 0.25, 0.25, 0.0],
+                          [0.0, 0.0, 1.0, 0.0, 0.0]])
+    for u, want in [(0.0, [1, 0, 2]), (0.49, [1, 1, 2]), (0.5, [3, 2, 2]),
+                    (1 - 2 ** -24, [3, 3, 2])]:
+        assert sample_from(probs, torch.full((3,), u)).tolist() == want, u
+    # a row that sums to a little under 1 (fp32 softmax) still maps u ~ 1 to its last token
+    assert sample_from(torch.tensor([[0.3, 0.6999998, 0.0]]), torch.tensor([1 - 2 ** -24])).tolist() == [1]
 
 
 @pytest.mark.parametrize("m", [0.01, 0.1, 0.5])
