@@ -29,6 +29,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--single-stream-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the throughput run's tokens (0: greedy), both systems")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="Tidewire only")
     p.add_argument("--skip-throughput", action="store_true",
                    help="only the single-stream decode comparison")
@@ -49,8 +53,15 @@ def _sync(model: Any) -> None:
 
 
 @torch.inference_mode()
-def run_hf_static(model: Any, work: list[BenchRequest], batch_size: int, pad_id: int) -> dict:
-    """Static batching: each batch is left-padded and runs until its longest output."""
+def run_hf_static(model: Any, work: list[BenchRequest], batch_size: int, pad_id: int,
+                  sampling: dict | None = None) -> dict:
+    """Static batching: each batch is left-padded and runs until its longest output.
+    `sampling` as for run_tidewire (HF's warpers: temperature, top_p, top_k)."""
+    sampling = sampling or {}
+    sample = sampling.get("temperature", 0.0) > 0
+    extra = ({"do_sample": True, "temperature": sampling["temperature"],
+              "top_p": sampling.get("top_p", 1.0), "top_k": sampling.get("top_k", 0) or None}
+             if sample else {"do_sample": False})
     t0 = time.perf_counter()
     for i in range(0, len(work), batch_size):
         batch = work[i : i + batch_size]
@@ -62,17 +73,19 @@ def run_hf_static(model: Any, work: list[BenchRequest], batch_size: int, pad_id:
             mask[j, width - len(r.prompt_token_ids):] = 1
         n = max(r.max_tokens for r in batch)
         model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
-                       max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id)
+                       max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id, **extra)
     _sync(model)
     dt = time.perf_counter() - t0
     useful = sum(r.max_tokens for r in work)
     return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
 
 
-def run_tidewire(llm: Any, work: list[BenchRequest]) -> dict:
+def run_tidewire(llm: Any, work: list[BenchRequest], sampling: dict | None = None) -> dict:
+    """`sampling`: SamplingParams fields (temperature, top_p, top_k); default greedy."""
     from engine import SamplingParams
 
-    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+    sampling = {"temperature": 0.0, **(sampling or {})}
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, **sampling)
               for r in work]
     steps0 = llm.engine.num_steps
     t0 = time.perf_counter()
@@ -187,13 +200,15 @@ def main(a: argparse.Namespace) -> int:
 
 def _throughput(llm: Any, hf: Any, work: list[BenchRequest], a: argparse.Namespace,
                 result: dict[str, Any]) -> None:
-    run_tidewire(llm, work[:4])  # warm up
-    result["tidewire"] = run_tidewire(llm, work)
+    sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
+    result["sampling"] = sampling
+    run_tidewire(llm, work[:4], sampling)  # warm up
+    result["tidewire"] = run_tidewire(llm, work, sampling)
     print(f"tidewire   {result['tidewire']['output_tok_s']:8.1f} output tok/s "
           f"({result['tidewire']['seconds']:.1f}s, {result['tidewire']['steps']} steps)")
     if hf is not None:
         pad = llm.engine.arch.eos_token_ids[0] if llm.engine.arch.eos_token_ids else 0
-        result["hf_static"] = run_hf_static(hf, work, a.hf_batch_size, pad)
+        result["hf_static"] = run_hf_static(hf, work, a.hf_batch_size, pad, sampling)
         result["hf_static"]["batch_size"] = a.hf_batch_size
         result["throughput_ratio"] = (result["tidewire"]["output_tok_s"]
                                       / result["hf_static"]["output_tok_s"])

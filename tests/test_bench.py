@@ -70,3 +70,17 @@ def test_bench_ws_runs_rounds_against_a_real_server_and_reports_each(tiny_models
     assert res["delivery_ms"]["count"] == total
     printed = capsys.readouterr().out
     assert "round 2:" in printed and "delta p50" in printed and "ratio" in printed
+
+
+def test_bench_offline_samples_both_systems_when_asked(tiny_models, tmp_path) -> None:
+    model = tiny_models("llama", seed=3)
+    out = tmp_path / "offline.json"
+    rc = main(["bench", "offline", "--model", str(model), "--num-requests", "6",
+               "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50",
+               "--single-stream-tokens", "4", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
+    want = sum(r.max_tokens for r in chat64(320, 6, 0))
+    assert res["tidewire"]["output_tokens"] == want == res["hf_static"]["output_tokens"]
+    assert res["throughput_ratio"] > 0
