@@ -222,9 +222,7 @@ class Sampler:
         logits = self.process(logits, batch)
         want_lp = [p.logprobs is not None for p in batch.params]
         logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
-        tokens = logits.argmax(dim=-1)
-        if not batch.all_greedy:
-            tokens = self._sample(logits, batch, tokens)
+        tokens = logits.argmax(dim=-1) if batch.all_greedy else self._sample(logits, batch)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(logprobs, tokens, token_list, batch,
                                                         want_lp))
@@ -260,12 +258,14 @@ class Sampler:
             logits = apply_presence_frequency(logits, outputs, pres, freq)
         return logits
 
-    def _sample(self, logits: torch.Tensor, batch: SamplingBatch,
-                greedy_tokens: torch.Tensor) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Every row's token: drawn for the sampled rows, the argmax for greedy ones."""
         rows = _rows(batch, lambda p: not p.greedy)
+        every = len(rows) == len(batch.params)
         idx = torch.tensor(rows, dtype=torch.int64)
         params = [batch.params[i] for i in rows]
-        x = apply_temperature(logits[idx], torch.tensor([p.temperature for p in params]))
+        x = apply_temperature(logits if every else logits[idx],
+                              torch.tensor([p.temperature for p in params]))
         vocab = x.shape[-1]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
@@ -273,8 +273,8 @@ class Sampler:
         if any(p.min_p > 0 for p in params):
             x = apply_min_p(x, torch.tensor([p.min_p for p in params]))
         probs = torch.softmax(x, dim=-1)
-        u = self._uniform([batch.generators[i] for i in rows])
-        return greedy_tokens.index_copy(0, idx, sample_from(probs, u))
+        drawn = sample_from(probs, self._uniform([batch.generators[i] for i in rows]))
+        return drawn if every else logits.argmax(dim=-1).index_copy(0, idx, drawn)
 
     def _uniform(self, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One U[0, 1) number per row: from the row's own generator when it has one."""

@@ -211,6 +211,8 @@ def test_seeded_request_same_alone_or_in_any_batch(tiny_models) -> None:
     mixed = llm.generate([prompts[1], prompts[2], prompts[0], prompts[3], prompts[4]],
                          [others[0], others[1], seeded, others[2], others[3]])
     assert mixed[2].token_ids == alone
+    # the greedy row among sampled ones takes its argmax, as it does alone
+    assert mixed[1].token_ids == llm.generate([prompts[2]], others[1])[0].token_ids
     again = llm.generate([prompts[4], prompts[0]], [others[3], seeded])[1].token_ids
     assert again == alone
     other_seed = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=4321,
