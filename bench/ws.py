@@ -55,6 +55,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "task, i.e. the server's event loop in the middle of a fan-out, "
                         "which a co-located client on a small machine otherwise does "
                         "(remote clients never do)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the measured rounds' tokens (0: greedy), both engines")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
 
 
@@ -113,11 +117,11 @@ async def _connect(url: str, proto: str, n: int) -> list[Any]:
     return conns
 
 
-async def _stream(ws: Any, proto: str, rid: str, r: BenchRequest) -> int:
+async def _stream(ws: Any, proto: str, rid: str, r: BenchRequest, sampling: dict) -> int:
     enc, dec = _codec(proto)
     await ws.send(enc({"type": "generate", "id": rid, "prompt_token_ids": r.prompt_token_ids,
-                       "params": {"max_tokens": r.max_tokens, "temperature": 0.0,
-                                  "ignore_eos": True}}))
+                       "params": {"max_tokens": r.max_tokens, "ignore_eos": True,
+                                  **sampling}}))
     n = 0
     while True:
         m = dec(await ws.recv())
@@ -129,12 +133,13 @@ async def _stream(ws: Any, proto: str, rid: str, r: BenchRequest) -> int:
 
 
 async def _run_streams(url: str, proto: str, work: list[BenchRequest], first: int,
-                       start: Any = None) -> int:
+                       start: Any = None, sampling: dict | None = None) -> int:
     """One socket per request (ids r{first}...); `start()` runs once all are connected."""
     conns = await _connect(url, proto, len(work))
     if start is not None:
         start()
-    counts = await asyncio.gather(*(_stream(ws, proto, f"r{first}-{i}", r)
+    sampling = {"temperature": 0.0, **(sampling or {})}
+    counts = await asyncio.gather(*(_stream(ws, proto, f"r{first}-{i}", r, sampling)
                                     for i, (ws, r) in enumerate(zip(conns, work))))
     for ws in conns:
         await ws.close()
@@ -157,27 +162,28 @@ def _client_policy(sched: str) -> Iterator[None]:
 
 
 def _client_process(url: str, proto: str, work: list[BenchRequest], first: int, sched: str,
-                    ready: Any, go: Any, results: Any) -> None:
+                    sampling: dict | None, ready: Any, go: Any, results: Any) -> None:
     """A load-generator process: connect, wait for the common start, stream, report."""
     def start() -> None:
         ready.wait()
         go.wait()
 
     with _client_policy(sched):
-        results.put(asyncio.run(_run_streams(url, proto, work, first, start)))
+        results.put(asyncio.run(_run_streams(url, proto, work, first, start, sampling)))
 
 
 def _drive(url: str, proto: str, work: list[BenchRequest], procs: int = 1,
-           sched: str = "normal") -> dict[str, Any]:
+           sched: str = "normal", sampling: dict | None = None) -> dict[str, Any]:
     """Output tokens/s of the streams from the moment every socket is connected. With
     procs > 1 the sockets are spread over that many client processes (one Python client
     reading ~10k deltas/s can be the bottleneck next to a GPU engine); `sched`: their
-    scheduling policy (see --client-sched)."""
+    scheduling policy (see --client-sched); `sampling`: SamplingParams fields (default
+    greedy)."""
     if procs <= 1:
         t: list[float] = []
         with _client_policy(sched):
             n = asyncio.run(_run_streams(url, proto, work, 0,
-                                         lambda: t.append(time.perf_counter())))
+                                         lambda: t.append(time.perf_counter()), sampling))
         dt = time.perf_counter() - t[0]
     else:
         import multiprocessing as mp
@@ -187,7 +193,7 @@ def _drive(url: str, proto: str, work: list[BenchRequest], procs: int = 1,
         parts = [list(range(i, len(work), procs)) for i in range(procs)]
         workers = [ctx.Process(target=_client_process,
                                args=(url, proto, [work[j] for j in part], part[0] if part else 0,
-                                     sched, ready, go, results))
+                                     sched, sampling, ready, go, results))
                    for part in parts]
         for w in workers:
             w.start()
@@ -254,12 +260,14 @@ def main(a: argparse.Namespace) -> int:
               attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
               kv_tier=a.kv_tier)
     vocab = llm.engine.arch.vocab_size
+    sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
     warm = chat64(vocab, 4, a.seed - 1)
     run_tidewire(llm, warm)
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
                               "protocol": a.protocol, "attention_backend": a.attention_backend,
                               "enforce_eager": a.enforce_eager, "async_output": a.async_output,
                               "kv_tier": a.kv_tier, "client_sched": a.client_sched,
+                              "sampling": sampling,
                               "rounds": []}
     port = free_port()
     proc = _start_server(a, port)  # the engine stays loaded here: the two runs alternate
@@ -269,8 +277,9 @@ def main(a: argparse.Namespace) -> int:
         start = last = _get(f"http://127.0.0.1:{port}/metrics")  # after the warm-up
         for i in range(a.rounds):
             work = chat64(vocab, a.num_requests, a.seed + i)
-            rnd = {"engine": run_tidewire(llm, work)}
-            rnd["websocket"] = _drive(url, a.protocol, work, a.client_procs, a.client_sched)
+            rnd = {"engine": run_tidewire(llm, work, sampling)}
+            rnd["websocket"] = _drive(url, a.protocol, work, a.client_procs, a.client_sched,
+                                      sampling)
             rnd["ratio"] = rnd["websocket"]["output_tok_s"] / rnd["engine"]["output_tok_s"]
             metrics = _get(f"http://127.0.0.1:{port}/metrics")
             rnd["delivery_ms"], last = _delivery_ms(metrics, last), metrics

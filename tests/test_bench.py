@@ -49,10 +49,11 @@ def test_bench_ws_runs_rounds_against_a_real_server_and_reports_each(tiny_models
     policy = "batch" if hasattr(os, "SCHED_BATCH") else "normal"
     rc = main(["bench", "ws", "--model", str(model), "--num-requests", "6", "--max-num-seqs", "6",
                "--rounds", "2", "--kv-tier", "none", "--client-sched", policy,
-               "--json", str(out)])
+               "--temperature", "0.8", "--top-p", "0.9", "--json", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["client_sched"] == policy and len(res["rounds"]) == 2
+    assert res["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0}
     total = 0.0
     for i, rnd in enumerate(res["rounds"]):
         want = sum(r.max_tokens for r in chat64(320, 6, i))  # seed 0 + round
