@@ -75,11 +75,11 @@ def ban_tokens(logits: torch.Tensor, banned: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-def _id_matrix(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ids as [rows, width] int64, sorted, with a mask of the real ones: a
-    shorter row is padded with copies of its own first id (0 for an empty row), which
-    sort into that id's run. Penalties then touch only the ids a row has seen, not its
-    whole vocabulary row."""
+def _id_matrix(ids: list[list[int]], sort: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ids as [rows, width] int64 (sorted, unless told not to), with a mask of
+    the real ones: a shorter row is padded with copies of its own first id (0 for an
+    empty row), which sort into that id's run. Penalties then touch only the ids a row
+    has seen, not its whole vocabulary row."""
     lengths = torch.tensor([len(x) for x in ids])
     width = int(lengths.max()) if len(ids) else 0
     mat = torch.zeros(len(ids), width, dtype=torch.int64)
@@ -89,8 +89,9 @@ def _id_matrix(ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
                            count=int(lengths.sum()))
         mat[valid] = torch.from_numpy(flat)
         mat = torch.where(valid, mat, mat[:, :1])
-        mat, order = mat.sort(dim=1)
-        valid = valid.gather(1, order)
+        if sort:
+            mat, order = mat.sort(dim=1)
+            valid = valid.gather(1, order)
     return mat, valid
 
 
@@ -108,7 +109,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: list[list[int]],
                              penalties: torch.Tensor) -> torch.Tensor:
     """HF semantics: for every token seen in the prompt or output, divide a positive
     logit by the penalty and multiply a negative one. logits [rows, vocab], in place."""
-    mat, valid = _id_matrix(seen)
+    mat, valid = _id_matrix(seen, sort=False)  # repeated ids write the same value
     if mat.numel() == 0:
         return logits
     g = logits.gather(1, mat)
