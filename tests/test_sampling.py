@@ -300,3 +300,12 @@ def test_engine_repetition_penalty_equals_hf_generate(tiny_models) -> None:
         outs = llm.generate(prompts, params)
         for o, p, pen in zip(outs, prompts, pens):
             assert o.token_ids == hf(p, pen), pen
+
+
+def test_argmax_rows_takes_the_first_of_equal_maxima() -> None:
+    from engine.sampler import argmax_rows
+
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]])
+    assert argmax_rows(x).tolist() == [1, 0, 2] == x.argmax(dim=-1).tolist()
+    big = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(argmax_rows(big), big.argmax(dim=-1))
