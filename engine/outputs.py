@@ -35,14 +35,15 @@ class StepOutput:
     num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class CompletionOutput:
     """One sample of a request, cumulative.
 
     Its text is kept as the list of deltas (`text_chunks`) and joined when read:
     appending to one string copies all of it, once per token, on the event loop's
-    per-delta path (quadratic in the output's length, and a cold read of the whole text
-    every step). `text_len` is its length in characters."""
+    per-delta path (quadratic in the output's length). `text_len` is its length in
+    characters. Two outputs are equal when their fields and texts are, however the
+    text is chunked."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -67,6 +68,13 @@ class CompletionOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CompletionOutput):
+            return NotImplemented
+        return (self.index, self.token_ids, self.text, self.finish_reason, self.stop_reason,
+                self.logprobs) == (other.index, other.token_ids, other.text,
+                                   other.finish_reason, other.stop_reason, other.logprobs)
 
 
 @dataclass(slots=True)

@@ -236,3 +236,10 @@ def test_cumulative_text_is_kept_as_deltas_and_joined_when_read() -> None:
     assert c.text == "Hello wörld🌊!" and c.text_len == len(c.text) and c.finished
     assert out.outputs[1].text == "" and out.outputs[1].text_len == 0
     assert not out.finished  # sample 1 is still running
+    # equal outputs compare equal however their text is chunked
+    other = CompletionOutput(0, list(c.token_ids), "stop", None)
+    for piece in ("Hello ", "wörld🌊!"):
+        other.add_text(piece)
+    assert other.text_chunks != c.text_chunks and other == c
+    other.add_text("?")
+    assert other != c
