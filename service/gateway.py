@@ -61,6 +61,7 @@ class Gateway:
         # next socket (see log_tokens / log_delivery).
         self._token_log: list[tuple[bool, float, int]] = []
         self._delivery_log: list[float] = []
+        self._sse_delivery_log: list[float] = []
         self.num_detached = 0
 
     # -- auth ------------------------------------------------------------------------------
@@ -178,13 +179,20 @@ class Gateway:
         self._flush_soon()
         self._delivery_log.append(seconds)
 
+    def log_sse_delivery(self, seconds: float) -> None:
+        """An OpenAI streaming chunk was written `seconds` after its oldest token was
+        sampled."""
+        self._flush_soon()
+        self._sse_delivery_log.append(seconds)
+
     def _flush_soon(self) -> None:
-        if not self._token_log and not self._delivery_log:  # the first since the last flush
-            asyncio.get_running_loop().call_soon(self._flush_logs)
+        if not (self._token_log or self._delivery_log or self._sse_delivery_log):
+            asyncio.get_running_loop().call_soon(self._flush_logs)  # the first since a flush
 
     def _flush_logs(self) -> None:
         tokens, self._token_log = self._token_log, []
         delivery, self._delivery_log = self._delivery_log, []
+        sse, self._sse_delivery_log = self._sse_delivery_log, []
         m = self.metrics
         ttft, itl, out = m.ttft.observe, m.itl.observe, m.output_tokens.inc
         for first, gap, n in tokens:
@@ -192,6 +200,8 @@ class Gateway:
             out(n)
         for seconds in delivery:
             m.delivery.observe(seconds)
+        for seconds in sse:
+            m.sse_delivery.observe(seconds)
 
     # -- resume: requests of dropped sockets -------------------------------------------
 

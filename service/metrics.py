@@ -6,6 +6,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_DELIVERY = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2.5e-2,
+             5e-2, 0.1, 0.25, 1.0)
 
 
 class Metrics:
@@ -38,9 +40,10 @@ class Metrics:
         self.errors = Counter("tidewire_errors", "Errors sent to clients", ["code"], registry=r)
         self.delivery = Histogram(
             "tidewire_delta_delivery_seconds", "Token sampled in the engine to its delta written "
-            "to the socket", buckets=(5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3,
-                                      3e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0),
-            registry=r)
+            "to the socket", buckets=_DELIVERY, registry=r)
+        self.sse_delivery = Histogram(
+            "tidewire_sse_delta_delivery_seconds", "Token sampled in the engine to its "
+            "OpenAI streaming (SSE) chunk written", buckets=_DELIVERY, registry=r)
         self.connections = Gauge("tidewire_websocket_connections", "Open sockets", registry=r)
         self.resumes = Counter("tidewire_websocket_resumable_requests", "Requests of dropped "
                                "sockets by outcome: parked (kept for a reconnect), resumed, "

@@ -238,7 +238,11 @@ async def _sse(gw: Gateway, adm: Admission, meta: dict[str, Any], chat: bool,
             else:
                 c["text"] = last.delta_text
             c["logprobs"] = _logprobs(last, last.index, len(last.new_token_ids), chat, tok)
+            sampled = adm.stream.sampled_at
             yield _chunk(meta, chat, [c])
+            # the response asks for the next chunk once this one's send has returned
+            if sampled:
+                gw.log_sse_delivery(time.monotonic() - sampled)
         reason = last.finish_reason if last else "error"
         if include_usage:
             yield _chunk(meta, chat, [], _usage(adm, last))

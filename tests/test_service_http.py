@@ -143,6 +143,17 @@ def test_metrics_parse_and_move(server) -> None:
     assert after["tidewire_time_to_first_token_seconds_count"] > before.get(
         "tidewire_time_to_first_token_seconds_count", 0)
     assert "tidewire_kv_cache_usage_ratio" in after
+    # a streamed completion records each content chunk's sampled-to-written time
+    stream = client(server).chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+        stream=True, extra_body={"ignore_eos": True})
+    chunks = sum(1 for ch in stream if ch.choices and ch.choices[0].delta.content)
+    final = scrape_metrics(server.url)
+    sse = final["tidewire_sse_delta_delivery_seconds_count"] - after.get(
+        "tidewire_sse_delta_delivery_seconds_count", 0)
+    assert 1 <= chunks <= sse <= 5  # (a chunk may carry no text: a cut character)
+    assert final["tidewire_sse_delta_delivery_seconds_sum"] > after.get(
+        "tidewire_sse_delta_delivery_seconds_sum", 0)
     assert http_get(server.url + "/health")[0] == 200
     assert http_get(server.url + "/")[0] == 200
 
