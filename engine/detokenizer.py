@@ -11,6 +11,8 @@ import codecs
 import random
 from typing import Any
 
+from engine.outputs import join_chunks
+
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside, so word-initial spaces survive
 _REPLACEMENT = "\ufffd"
 _CHECK_SAMPLE = 2048  # vocabulary entries cross-checked against tokenizer.decode
@@ -180,6 +182,4 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """The text handed out so far (the final text once finished)."""
-        if len(self._pieces) > 1:
-            self._pieces[:] = ["".join(self._pieces)]
-        return self._pieces[0] if self._pieces else ""
+        return join_chunks(self._pieces)

@@ -15,6 +15,14 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
 
 
+def join_chunks(chunks: list[str]) -> str:
+    """The text a list of pieces holds, collapsing the list to that one string, so a
+    later read pays only for what came after it."""
+    if len(chunks) > 1:
+        chunks[:] = ["".join(chunks)]
+    return chunks[0] if chunks else ""
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What one engine step produced for one sample (`index`) of one request."""
@@ -55,10 +63,7 @@ class CompletionOutput:
 
     @property
     def text(self) -> str:
-        chunks = self.text_chunks
-        if len(chunks) > 1:
-            chunks[:] = ["".join(chunks)]  # later reads pay only for what came after
-        return chunks[0] if chunks else ""
+        return join_chunks(self.text_chunks)
 
     def add_text(self, delta: str) -> None:
         if delta:
