@@ -16,6 +16,18 @@ import torch
 from bench.workloads import BenchRequest, chat64
 
 
+def add_sampling_args(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help=f"sample {what} (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+
+
+def sampling_args(a: argparse.Namespace) -> dict[str, Any]:
+    """The SamplingParams fields those flags give (for run_tidewire, run_hf_static)."""
+    return {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
@@ -29,10 +41,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--single-stream-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample the throughput run's tokens (0: greedy), both systems")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    add_sampling_args(p, "the throughput run's tokens, in both systems")
     p.add_argument("--skip-hf", action="store_true", help="Tidewire only")
     p.add_argument("--skip-throughput", action="store_true",
                    help="only the single-stream decode comparison")
@@ -200,7 +209,7 @@ def main(a: argparse.Namespace) -> int:
 
 def _throughput(llm: Any, hf: Any, work: list[BenchRequest], a: argparse.Namespace,
                 result: dict[str, Any]) -> None:
-    sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
+    sampling = sampling_args(a)
     result["sampling"] = sampling
     run_tidewire(llm, work[:4], sampling)  # warm up
     result["tidewire"] = run_tidewire(llm, work, sampling)

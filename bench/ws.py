@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.offline import run_tidewire
+from bench.offline import add_sampling_args, run_tidewire, sampling_args
 from bench.workloads import BenchRequest, chat64
 
 DELIVERY = "tidewire_delta_delivery_seconds"  # the server's sampled-to-written histogram
@@ -55,10 +55,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "task, i.e. the server's event loop in the middle of a fan-out, "
                         "which a co-located client on a small machine otherwise does "
                         "(remote clients never do)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="sample the measured rounds' tokens (0: greedy), both engines")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    add_sampling_args(p, "the measured rounds' tokens, in both engines")
     p.add_argument("--json", type=Path, default=None)
 
 
@@ -260,7 +257,7 @@ def main(a: argparse.Namespace) -> int:
               attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
               kv_tier=a.kv_tier)
     vocab = llm.engine.arch.vocab_size
-    sampling = {"temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k}
+    sampling = sampling_args(a)
     warm = chat64(vocab, 4, a.seed - 1)
     run_tidewire(llm, warm)
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
