@@ -167,10 +167,7 @@ def apply_top_k_top_p(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor,
         norm = torch.where(top_k, norm, logits.logsumexp(dim=-1))
     probs = (vals - norm[:, None]).exp()
     outside = torch.where(top_k, 0.0, (1.0 - probs.sum(dim=-1)).clamp_(min=0.0))
-    tail = probs.flip(-1).cumsum(-1).flip(-1) + outside[:, None]  # mass at or below each rank
-    remove = tail <= (1 - ps[:, None])
-    remove[:, 0] = False
-    vals = vals.masked_fill(remove, float("-inf"))
+    vals = vals.masked_fill(_top_p_cut(probs, ps, outside[:, None]), float("-inf"))
     out = torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals)
     either = top_k | top_p
     if not bool(either.all()):
@@ -187,12 +184,20 @@ def _top_k_top_p_sorted(logits: torch.Tensor, ks: torch.Tensor, ps: torch.Tensor
     vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1, descending=True)
     ordered = ordered.masked_fill(torch.arange(vocab)[None, :] >= ks[:, None], float("-inf"))
-    probs = torch.softmax(ordered, dim=-1)
-    tail = probs.flip(-1).cumsum(-1).flip(-1)  # mass at or below each rank, summed upward
+    ordered = ordered.masked_fill(_top_p_cut(torch.softmax(ordered, dim=-1), ps),
+                                  float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+def _top_p_cut(probs: torch.Tensor, ps: torch.Tensor,
+               below: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """HF's top-p rule over probabilities sorted descending (plus `below`, the mass of
+    tokens ranked after them): remove a rank whose mass at or below it is <= 1 - p;
+    the top rank always stays."""
+    tail = probs.flip(-1).cumsum(-1).flip(-1) + below  # summed upward from the bottom
     remove = tail <= (1 - ps[:, None])
     remove[:, 0] = False
-    ordered = ordered.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, ordered)
+    return remove
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
