@@ -70,10 +70,6 @@ class _SuspendedSend:
 
 
 class Session:
-    __slots__ = ("ws", "codec", "gw", "principal", "limits", "live", "unsent", "dropped", "sendq",
-                 "_wake", "_drained", "_sending_since", "_busy", "_dead", "_asgi_send",
-                 "_write_frame", "warms", "session_id", "__weakref__")
-
     def __init__(self, ws: WebSocket, codec: Codec, gateway: Gateway, principal: Principal) -> None:
         self.ws, self.codec, self.gw, self.principal = ws, codec, gateway, principal
         self.limits = gateway.config.limits
