@@ -199,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "(CUDA only; exits 0 without a GPU)")
     kernel_bench.add_args(kb)
     kb.set_defaults(func=cmd_bench)
+    from bench import http as http_bench
+
+    hb = bsub.add_parser("http", help="chat-64 against any OpenAI-compatible server (Tidewire, "
+                         "llama.cpp, vLLM): TTFT, inter-chunk gaps, output tok/s")
+    http_bench.add_args(hb)
+    hb.set_defaults(func=cmd_bench)
     return parser
 
 

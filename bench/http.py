@@ -1,0 +1,300 @@
+"""`tidewire bench http`: the chat-64 workload against any OpenAI-compatible server
+(Tidewire, llama.cpp server, vLLM...), so different servers are held to the same requests.
+
+Every request goes out at once as a streaming `POST {base}/completions` whose prompt is
+the token-id list itself (no tokenizer on the client side, so every server sees the same
+tokens), greedy, `ignore_eos`, with a usage chunk requested. The SSE stream is parsed here
+and timed per chunk: TTFT, the gaps between content chunks, completion tokens (from the
+usage chunk, else one per content chunk), and overall output tok/s over the wall time.
+One Python event loop reads every stream: against a very fast server with many streams
+the client itself can become the limit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bench.workloads import BenchRequest, chat64
+
+if TYPE_CHECKING:
+    import httpx2
+
+DESCRIPTION = (
+    "Send the chat-64 workload, every request at once, as streaming POST {base}/completions "
+    "(prompt = token ids, temperature 0, ignore_eos, stream_options.include_usage) and "
+    "report TTFT, inter-chunk gaps and output tok/s. Each request's token count is compared "
+    "with its max_tokens: the server must honour ignore_eos for the comparison, and the "
+    "throughput, to be fair (Tidewire, vLLM and llama.cpp server read it; a server that "
+    "does not know it ignores the field silently, stops at EOS, and shows up as max_tokens "
+    "mismatches). Exits 1 when any request failed.")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `tidewire bench http`."""
+    p.description = DESCRIPTION
+    p.add_argument("--base-url", required=True,
+                   help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default=None,
+                   help="the model name sent in requests (default: the first id from "
+                        "GET {base}/models)")
+    p.add_argument("--vocab-size", type=int, default=49152,
+                   help="prompt token ids are drawn below this (default: SmolLM2's)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"),
+                   help="max_tokens drawn from LO..HI (default 16 256, chat-64's; other "
+                        "values change the workload)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"),
+                   help="sent as a Bearer token (default: $OPENAI_API_KEY, else 'none')")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds to connect, and to wait for each read, per request")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+@dataclass
+class Outcome:
+    """One request's stream as the client saw it (perf_counter seconds)."""
+
+    index: int
+    max_tokens: int
+    sent: float = 0.0
+    done: float = 0.0
+    status: int | None = None  # the HTTP status; None when no response came
+    failure: str | None = None  # the failure's key (a status code or an error's name)
+    message: str = ""
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    usage_tokens: int | None = None  # completion_tokens from the usage chunk
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    @property
+    def completion_tokens(self) -> int:
+        """The usage chunk's count, else one token per content chunk (a lower bound when a
+        server merges tokens into one chunk)."""
+        return self.usage_tokens if self.usage_tokens is not None else len(self.chunk_times)
+
+    def fail(self, key: str, message: str) -> None:
+        self.failure, self.message = key, message[:300]
+
+
+def chunk_has_content(chunk: dict[str, Any]) -> bool:
+    """Whether a streamed completion chunk carries generated output: a choice with text, or
+    a choice with no finish_reason yet (a server streams one only when generation moved on:
+    a token whose text is held back mid-UTF-8, or a model without a tokenizer). A usage-only
+    chunk, or a closing chunk with a finish_reason and no text, is not content."""
+    return any(c.get("text") or c.get("finish_reason") is None
+               for c in chunk.get("choices") or [])
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | None | str:
+    """One line of an SSE stream: its `data:` JSON object, "[DONE]" for the end marker, or
+    None for anything else (blank lines, comments, `event:` fields)."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == "[DONE]":
+        return payload
+    return json.loads(payload)
+
+
+def _headers(api_key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
+
+
+def _body(r: BenchRequest, model: str | None) -> dict[str, Any]:
+    """The request: the same tokens and length for every server, greedy, EOS ignored."""
+    body: dict[str, Any] = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens,
+                            "temperature": 0, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+async def default_model(client: httpx2.AsyncClient, base: str, headers: dict[str, str]
+                        ) -> str | None:
+    """The first id from GET {base}/models, or None (with a warning) when the server does
+    not answer it: the requests then go without a model name and fail or not on their own."""
+    import httpx2
+
+    try:
+        r = await client.get(f"{base}/models", headers=headers)
+        if r.status_code == 200:
+            return r.json()["data"][0]["id"]
+        why = f"HTTP {r.status_code}"
+    except (httpx2.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        why = f"{type(e).__name__}: {e}"
+    print(f"bench http: GET {base}/models failed ({why}); sending no model name",
+          file=sys.stderr)
+    return None
+
+
+async def _read_stream(resp: httpx2.Response, out: Outcome) -> None:
+    """Time the content chunks of one 200 response until [DONE]; an error event, a bad
+    data line or a stream that ends without [DONE] marks the request failed."""
+    async for line in resp.aiter_lines():
+        now = time.perf_counter()
+        try:
+            event = parse_sse_line(line)
+        except ValueError:
+            out.fail("bad_sse", f"not JSON: {line[:200]}")
+            return
+        if event == "[DONE]":
+            return
+        if not isinstance(event, dict):
+            continue
+        if event.get("error"):
+            out.fail("stream_error", json.dumps(event["error"])[:300])
+            return
+        if chunk_has_content(event):
+            out.chunk_times.append(now)
+        usage = event.get("usage")
+        if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
+            out.usage_tokens = int(usage["completion_tokens"])
+    out.fail("incomplete", "the stream ended without data: [DONE]")
+
+
+async def stream_one(client: httpx2.AsyncClient, url: str, headers: dict[str, str],
+                     body: dict[str, Any], out: Outcome) -> None:
+    """Send one request and fill `out`. Every failure is recorded there, never raised (any
+    exception: a server's odd reply must cost one request, not the run), keyed by the
+    status code or the exception's class."""
+    out.sent = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            out.status = resp.status_code
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                out.fail(str(resp.status_code), text.strip())
+            else:
+                await _read_stream(resp, out)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        out.fail(type(e).__name__, str(e) or repr(e))
+    finally:
+        out.done = time.perf_counter()
+
+
+async def run_workload(base: str, model: str | None, api_key: str, work: list[BenchRequest],
+                       timeout: float) -> tuple[str | None, list[Outcome]]:
+    """Resolve the model name if not given, then send every request at once, one
+    connection each (the pool is as large as the workload, so none waits for a slot)."""
+    import httpx2
+
+    headers = _headers(api_key)
+    limits = httpx2.Limits(max_connections=len(work) + 1,
+                           max_keepalive_connections=len(work) + 1)
+    async with httpx2.AsyncClient(timeout=httpx2.Timeout(timeout), limits=limits) as client:
+        if model is None:
+            model = await default_model(client, base, headers)
+        outs = [Outcome(i, r.max_tokens) for i, r in enumerate(work)]
+        await asyncio.gather(*(stream_one(client, f"{base}/completions", headers,
+                                          _body(r, model), o) for r, o in zip(work, outs)))
+    return model, outs
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation between ranks; None if empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def _quantiles_ms(seconds: list[float]) -> dict[str, float | int | None]:
+    def ms(v: float | None) -> float | None:
+        return None if v is None else v * 1000
+
+    return {"p50": ms(percentile(seconds, 50)), "p99": ms(percentile(seconds, 99)),
+            "count": len(seconds)}
+
+
+def summarize(outs: list[Outcome]) -> dict[str, Any]:
+    """The run's numbers: completed requests' tokens over the wall time (first send to
+    last done, failed requests included), TTFT and inter-chunk quantiles, failures by key."""
+    ok = [o for o in outs if o.ok]
+    wall = max(o.done for o in outs) - min(o.sent for o in outs) if outs else 0.0
+    tokens = sum(o.completion_tokens for o in ok)
+    ttft = [o.chunk_times[0] - o.sent for o in ok if o.chunk_times]
+    gaps = [b - a for o in ok for a, b in zip(o.chunk_times, o.chunk_times[1:])]
+    from_usage = sum(o.usage_tokens is not None for o in ok)
+    source = ("none" if not ok else "usage" if from_usage == len(ok)
+              else "chunks" if from_usage == 0 else "mixed")
+    failed = [o for o in outs if not o.ok]
+    return {
+        "requests": len(outs), "completed": len(ok), "failures": len(failed),
+        "failures_by_status": dict(Counter(o.failure for o in failed)),
+        "wall_s": wall, "output_tokens": tokens,
+        "output_tok_s": tokens / wall if wall > 0 else 0.0,
+        "tokens_from": source,
+        "max_tokens_mismatches": sum(o.completion_tokens != o.max_tokens for o in ok),
+        "ttft_ms": _quantiles_ms(ttft), "inter_chunk_ms": _quantiles_ms(gaps),
+        "per_request": [{"index": o.index, "status": o.status, "failure": o.failure,
+                         "message": o.message or None, "max_tokens": o.max_tokens,
+                         "completion_tokens": o.completion_tokens if o.ok else None,
+                         "chunks": len(o.chunk_times),
+                         "ttft_ms": ((o.chunk_times[0] - o.sent) * 1000
+                                     if o.ok and o.chunk_times else None)}
+                        for o in outs],
+    }
+
+
+def _fmt_ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+def print_report(res: dict[str, Any], outs: list[Outcome]) -> None:
+    """A short table, then each kind of failure once with its count and first message."""
+    t, g = res["ttft_ms"], res["inter_chunk_ms"]
+    note = {"usage": "from usage chunks", "chunks": "counted as content chunks: no usage "
+            "chunk came, a lower bound", "mixed": "usage chunks, some counted as chunks",
+            "none": "no request completed"}
+    model = res["model"] if res["model"] is not None else "(none sent)"
+    print(f"{res['url']}  model {model}  {res['requests']} requests at once")
+    print(f"  completed        {res['completed']}/{res['requests']}"
+          f"   failures {res['failures']}")
+    print(f"  wall             {res['wall_s']:.3f} s")
+    print(f"  output tokens    {res['output_tokens']} ({note[res['tokens_from']]})")
+    print(f"  output tok/s     {res['output_tok_s']:.1f}")
+    print(f"  TTFT             p50 {_fmt_ms(t['p50'])}   p99 {_fmt_ms(t['p99'])}")
+    print(f"  inter-chunk      p50 {_fmt_ms(g['p50'])}   p99 {_fmt_ms(g['p99'])}"
+          f"   ({g['count']} gaps)")
+    print(f"  != max_tokens    {res['max_tokens_mismatches']} of {res['completed']} completed"
+          " (the server must honour ignore_eos)")
+    first: dict[str, Outcome] = {}
+    for o in outs:
+        if not o.ok:
+            first.setdefault(o.failure, o)
+    for key, o in first.items():
+        print(f"  failed {key} x{res['failures_by_status'][key]}: {o.message}")
+
+
+def main(a: argparse.Namespace) -> int:
+    """Run the workload once against --base-url; 0 when every request completed, else 1."""
+    if a.num_requests < 1:
+        raise ValueError("--num-requests must be at least 1")
+    base = a.base_url.rstrip("/")
+    lo, hi = a.output_range
+    work = chat64(a.vocab_size, a.num_requests, a.seed, output_range=(lo, hi))
+    model, outs = asyncio.run(run_workload(base, a.model, a.api_key, work, a.timeout))
+    res = {"workload": "chat-64", "url": f"{base}/completions", "model": model,
+           "vocab_size": a.vocab_size, "seed": a.seed, "output_range": [lo, hi],
+           **summarize(outs)}
+    print_report(res, outs)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(res, indent=2))
+    return 0 if res["failures"] == 0 else 1
