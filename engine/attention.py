@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_ops
+
+PAGED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what the compiled kernel takes
+
 
 @dataclass
 class PrefillSpec:
@@ -132,20 +136,37 @@ class CpuMetadata:
     prefills: list[CpuPrefill]
 
 
+@dataclass
+class PagedMetadata:
+    """The compiled kernel's view of a step: every sequence (decodes, then prefill chunks)
+    in one ragged batch (kernels.cpu_ops.paged_attention)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: context after this step
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+
+
 class CpuAttention(AttentionBackend):
-    """Torch attention tuned for CPUs.
+    """Attention for CPUs.
 
     Cache layout (per layer, K and V alike): [num_kv_heads, num_blocks, block_size,
-    head_dim]. Head-major, so an index_select of whole blocks yields [kv_heads, batch,
-    tokens, head_dim] with no transpose, and each decode bucket is one SDPA call with
-    GQA (all query heads of a group against that group's keys at once).
+    head_dim]. With the compiled kernels (kernels/cpu_ops.py) a whole step, decodes and
+    prefill chunks alike, is one call that reads K/V in place. Without them (no compiler)
+    the torch fallback gathers whole blocks (head-major, so an index_select yields
+    [kv_heads, batch, tokens, head_dim] with no transpose) and runs SDPA with GQA.
     """
 
     name = "cpu"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, compiled: bool | None = None):
+        """`compiled`: use the compiled kernels (default: where they build and take this
+        head_dim)."""
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        if compiled is None:
+            compiled = head_dim in PAGED_HEAD_DIMS and cpu_ops.available()
+        self.compiled = compiled
         # Gather buffers reused by every layer and step: a fresh multi-MB tensor per
         # gather costs page faults that take longer than the copy itself.
         self._bufs: dict[str, torch.Tensor] = {}
@@ -161,7 +182,9 @@ class CpuAttention(AttentionBackend):
                        data: torch.Tensor) -> None:
         kv.index_copy_(3, block_ids, data.permute(1, 2, 4, 0, 3, 5))
 
-    def build_metadata(self, layout: StepLayout) -> CpuMetadata:
+    def build_metadata(self, layout: StepLayout) -> CpuMetadata | PagedMetadata:
+        if self.compiled:
+            return self._paged_meta(layout)
         bs = self.block_size
         nblocks = [-(-n // bs) for n in layout.decode_seq_lens]
         buckets, offset = [], 0
@@ -177,6 +200,26 @@ class CpuAttention(AttentionBackend):
             offset += len(flat)
         prefills = [self._prefill_meta(p) for p in layout.prefills]
         return CpuMetadata(torch.tensor(layout.slot_mapping, dtype=torch.int64), buckets, prefills)
+
+    def _paged_meta(self, layout: StepLayout) -> PagedMetadata:
+        bs = self.block_size
+        tables = [ids[: -(-n // bs)] for ids, n in zip(layout.decode_block_ids,
+                                                        layout.decode_seq_lens)]
+        tables += [p.block_ids for p in layout.prefills]
+        width = max((len(t) for t in tables), default=1)
+        flat: list[int] = []
+        for ids in tables:
+            flat += ids
+            flat += [0] * (width - len(ids))
+        table = torch.tensor(flat, dtype=torch.int32).view(len(tables), width)
+        lens = layout.decode_seq_lens + [p.ctx_len for p in layout.prefills]
+        q_lens = [1] * len(layout.decode_seq_lens) + [p.q_len for p in layout.prefills]
+        starts = [0]
+        for n in q_lens:
+            starts.append(starts[-1] + n)
+        return PagedMetadata(torch.tensor(layout.slot_mapping, dtype=torch.int64), table,
+                             torch.tensor(lens, dtype=torch.int32),
+                             torch.tensor(starts, dtype=torch.int32))
 
     def _bucket(self, start: int, end: int, flat: list[int], width: int,
                 mask: torch.Tensor | None, offset: int) -> DecodeBucket:
@@ -208,7 +251,7 @@ class CpuAttention(AttentionBackend):
         return CpuPrefill(p.q_start, p.q_len, p.ctx_len, ids, mask)
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: CpuMetadata) -> None:
+                    v_cache: torch.Tensor, meta: CpuMetadata | PagedMetadata) -> None:
         # k, v: [num_tokens, kv_heads, head_dim] -> slots of the flat [kv_heads, slots, D]
         slots = meta.slot_mapping
         kv_heads, d = self.num_kv_heads, self.head_dim
@@ -216,7 +259,12 @@ class CpuAttention(AttentionBackend):
         v_cache.view(kv_heads, -1, d)[:, slots] = v.transpose(0, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: CpuMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: CpuMetadata | PagedMetadata) -> torch.Tensor:
+        if isinstance(meta, PagedMetadata):
+            out = torch.empty(q.shape, dtype=q.dtype)
+            cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
+                                    meta.query_start, self.scale)
+            return out
         if not meta.prefills and len(meta.decodes) == 1:  # the common all-decode step
             return self._decode(q, k_cache, v_cache, meta.decodes[0])
         out = torch.empty_like(q)

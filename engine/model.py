@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend
+from kernels import cpu_ops
 from kernels import reference as ref
 
 SUPPORTED_ARCHS = {"llama", "mistral", "qwen2"}
@@ -157,7 +158,16 @@ class LlamaModel:
         self.cos, self.sin = cos.to(attn.device), sin.to(attn.device)
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.ops = TritonOps() if attn.fused_ops else TorchOps()
+        self.ops = self._ops(arch, attn)
+
+    @staticmethod
+    def _ops(arch: ModelArch, attn: AttentionBackend) -> TorchOps | TritonOps | CpuOps:
+        if attn.fused_ops:
+            return TritonOps()
+        if (getattr(attn, "compiled", False) and arch.hidden_size % 16 == 0
+                and arch.intermediate_size % 16 == 0 and arch.head_dim % 32 == 0):
+            return CpuOps()
+        return TorchOps()
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -199,6 +209,11 @@ class LlamaModel:
         a = self.arch
         n = h.shape[0]
         qkv = layer.qkv(h)
+        if isinstance(self.ops, CpuOps):  # rope and the cache write in one pass
+            self.ops.rope_cache(qkv, rot, k_cache, v_cache, meta, a.num_heads)
+            q = qkv[:, : self.q_size].view(n, a.num_heads, a.head_dim)
+            o = self.attn.forward(q, q, q, k_cache, v_cache, meta)  # k, v: read from the cache
+            return layer.o(o.view(n, self.q_size))
         # q and k rotate together: one rope over their [n, heads + kv_heads, d] view.
         qk = self.ops.rope(qkv[:, : self.q_size + self.kv_size].view(n, -1, a.head_dim),
                            a.num_heads, rot)
@@ -223,6 +238,26 @@ class TorchOps:
     @staticmethod
     def rope(qk: torch.Tensor, num_heads: int, rot: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return ref.rope(qk, *rot)
+
+
+class CpuOps:
+    """The same ops as compiled CPU kernels (kernels/cpu_ops.py); rope also stores k and
+    v in the cache, so the model skips the backend's write_cache."""
+
+    rms_norm = staticmethod(cpu_ops.rms_norm)
+    silu_and_mul = staticmethod(cpu_ops.silu_and_mul)
+
+    @staticmethod
+    def rope_setup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        return positions, cos, sin
+
+    @staticmethod
+    def rope_cache(qkv: torch.Tensor, rot: tuple[torch.Tensor, ...], k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, meta: Any, num_heads: int) -> None:
+        positions, cos, sin = rot
+        cpu_ops.rope_cache(qkv, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                           num_heads)
 
 
 class TritonOps:

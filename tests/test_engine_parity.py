@@ -21,6 +21,8 @@ REGIMES = {
 MODELS = {
     "llama-gqa": ("llama", dict(num_attention_heads=4, num_key_value_heads=2)),
     "llama-mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
+    # head_dim 32: the compiled CPU path's fused rope + cache write, norms and SiLU run too
+    "llama-fused": ("llama", dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=1)),
     "qwen2-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1)),
     "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2,
                                 sliding_window=512)),

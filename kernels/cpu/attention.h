@@ -1,0 +1,348 @@
+// Paged attention on the CPU, reading K/V where they lie in the paged cache.
+//
+// Layouts (last dimension contiguous):
+//   q           [num_tokens, num_heads, head_dim]     the step's queries, sequences back to
+//                                                      back (query_start); rows may be strided
+//   k_cache     [num_kv_heads, num_blocks, block_size, head_dim]   (v_cache alike)
+//   block_table [num_seqs, max_blocks] int32          logical block -> physical block
+//   seq_lens    [num_seqs] int32                      context after this step (cached + new)
+//   query_start [num_seqs + 1] int32                  cumulative query counts
+//   out         [num_tokens, num_heads, head_dim]     rows may be strided
+//
+// Query i of sequence s sits at position seq_len - q_len + i and sees keys at positions
+// <= its own. One work item = (sequence, KV head, tile of query tokens, context part):
+// the queries of every head of the KV head's group are stacked as rows, so each K/V row
+// is read once per group (GQA). Keys go by tiles of kKeyTile tokens, converted to fp32
+// in a small per-thread buffer (never a copy of the whole context); the softmax is
+// online in fp32. A batch too small to keep every thread busy splits long contexts into
+// parts whose partial results are merged exactly by their log-sum-exp.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include "vec.h"
+
+namespace tw {
+
+constexpr int kKeyTile = 64;        // keys per tile
+constexpr int kTileVecs = kKeyTile / kLanes;
+constexpr int kMaxRows = 64;        // query rows (tokens x group heads) per work item
+constexpr int kPartTokens = 512;    // context tokens per part when a context is split
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct AttnItem {
+  int32_t seq, kv_head, tok_begin, tok_end, key_begin, key_end, part;
+};
+
+struct AttnShape {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, num_blocks, max_blocks;
+  int64_t q_stride, out_stride;  // elements between consecutive tokens
+  float scale;
+};
+
+// Per-thread scratch of one work item.
+struct AttnScratch {
+  std::vector<float> q, o, s, kt, v, m, l;
+  void reserve(int64_t d) {
+    q.resize(kMaxRows * d);
+    o.resize(kMaxRows * d);
+    s.resize(kMaxRows * kKeyTile);
+    kt.resize(d * kKeyTile);
+    v.resize(kKeyTile * d);
+    m.resize(kMaxRows);
+    l.resize(kMaxRows);
+  }
+};
+
+// Row pointers of keys [kb, kb + nk) of one KV head: the block table is read once per
+// block, not divided out per key.
+template <typename T>
+inline void kv_rows(const T* cache, const AttnShape& sh, const int32_t* table, int64_t kvh,
+                    int64_t kb, int nk, const T** rows) {
+  const int64_t bs = sh.block_size, d = sh.head_dim;
+  const T* head = cache + kvh * sh.num_blocks * bs * d;
+  int64_t blk = kb / bs, off = kb % bs;
+  const T* base = head + int64_t(table[blk]) * bs * d;
+  for (int k = 0; k < nk; ++k) {
+    rows[k] = base + off * d;
+    if (++off == bs && k + 1 < nk) {
+      off = 0;
+      base = head + int64_t(table[++blk]) * bs * d;
+    }
+  }
+}
+
+// Asks for keys [kb, kb + nk) of one KV head ahead of their use: the cache is scattered
+// over blocks, so without this every block costs a trip to DRAM that the hardware
+// prefetcher never sees coming.
+template <typename T>
+inline void prefetch_rows(const T* cache, const AttnShape& sh, const int32_t* table, int64_t kvh,
+                          int64_t kb, int64_t ke) {
+  const int64_t bs = sh.block_size, d = sh.head_dim;
+  const char* head = reinterpret_cast<const char*>(cache + kvh * sh.num_blocks * bs * d);
+  for (int64_t pos = kb; pos < ke;) {
+    const int64_t off = pos % bs, n = std::min(bs - off, ke - pos);
+    const char* p = head + ((int64_t(table[pos / bs]) * bs + off) * d) * int64_t(sizeof(T));
+    for (int64_t b = 0; b < n * d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+    pos += n;
+  }
+}
+
+// Scores of `rows` query rows against `nk` keys, the hsum way: for a few rows (decode),
+// a dot product per (row, key) costs less than transposing the key tile.
+template <int ND, typename T>
+inline void scores_by_dot(const float* q, int rows, const T* const* krows, int nk, float* s) {
+  for (int k = 0; k < nk; ++k) {
+    f32x16 kv[ND];
+    for (int j = 0; j < ND; ++j) kv[j] = load16(krows[k] + j * kLanes);
+    for (int r = 0; r < rows; ++r) {
+      const float* qr = q + r * ND * kLanes;
+      f32x16 acc = load16(qr) * kv[0];
+      for (int j = 1; j < ND; ++j) acc += load16(qr + j * kLanes) * kv[j];
+      s[r * kKeyTile + k] = hsum(acc);
+    }
+  }
+}
+
+// Scores of many query rows (prefill): the key tile transposed once to kt[d][kKeyTile]
+// in fp32, then four rows at a time against the tile's vectors of keys.
+template <int ND, typename T>
+inline void scores_by_tile(const float* q, int rows, const T* const* krows, int nk, float* kt,
+                           float* s) {
+  constexpr int D = ND * kLanes;
+  for (int k = 0; k < nk; ++k) {
+    for (int j = 0; j < ND; ++j) {
+      f32x16 x = load16(krows[k] + j * kLanes);
+      for (int i = 0; i < kLanes; ++i) kt[(j * kLanes + i) * kKeyTile + k] = x[i];
+    }
+  }
+  for (int k = nk; k < kKeyTile; ++k)
+    for (int d = 0; d < D; ++d) kt[d * kKeyTile + k] = 0.0f;
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) {
+    f32x16 a[4][kTileVecs] = {};
+    for (int d = 0; d < D; ++d) {
+      f32x16 kv[kTileVecs];
+      for (int c = 0; c < kTileVecs; ++c) kv[c] = load16(kt + d * kKeyTile + c * kLanes);
+      for (int i = 0; i < 4; ++i) {
+        const float x = q[(r + i) * D + d];
+        for (int c = 0; c < kTileVecs; ++c) a[i][c] += x * kv[c];
+      }
+    }
+    for (int i = 0; i < 4; ++i)
+      for (int c = 0; c < kTileVecs; ++c) store16(s + (r + i) * kKeyTile + c * kLanes, a[i][c]);
+  }
+  for (; r < rows; ++r) {
+    f32x16 a[kTileVecs] = {};
+    for (int d = 0; d < D; ++d) {
+      const float x = q[r * D + d];
+      for (int c = 0; c < kTileVecs; ++c) a[c] += x * load16(kt + d * kKeyTile + c * kLanes);
+    }
+    for (int c = 0; c < kTileVecs; ++c) store16(s + r * kKeyTile + c * kLanes, a[c]);
+  }
+}
+
+// Online-softmax update of one row's scores s[0, seen) (the rest masked): leaves the
+// probabilities in s and returns the factor by which the row's output must shrink.
+inline float softmax_update(float* s, int seen, float& m, float& l) {
+  for (int k = seen; k < kKeyTile; ++k) s[k] = kNegInf;
+  f32x16 v[kTileVecs];
+  f32x16 mx = splat(kNegInf);
+  for (int c = 0; c < kTileVecs; ++c) mx = vmax(mx, v[c] = load16(s + c * kLanes));
+  const float m_new = std::max(m, hmax(mx));
+  const float corr = sexp(m - m_new);
+  f32x16 sum = {};
+  for (int c = 0; c < kTileVecs; ++c) {
+    v[c] = vexp(v[c] - m_new);
+    sum += v[c];
+    store16(s + c * kLanes, v[c]);
+  }
+  l = l * corr + hsum(sum);
+  m = m_new;
+  return corr;
+}
+
+// o[r] = o[r] * corr[r] + sum_k p[r][k] v[k] for rows [r0, r0 + R), R <= 2: each V row
+// is loaded once for both rows.
+template <int ND, int R>
+inline void accumulate_pv(float* o, const float* p, const float* corr, const float* v, int nk) {
+  constexpr int D = ND * kLanes;
+  f32x16 acc[R][ND];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < ND; ++j) acc[i][j] = load16(o + i * D + j * kLanes) * corr[i];
+  for (int k = 0; k < nk; ++k) {
+    for (int j = 0; j < ND; ++j) {
+      const f32x16 x = load16(v + k * D + j * kLanes);
+      for (int i = 0; i < R; ++i) acc[i][j] += p[i * kKeyTile + k] * x;
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < ND; ++j) store16(o + i * D + j * kLanes, acc[i][j]);
+}
+
+// One work item: rows = (token, group head) pairs, keys [key_begin, key_end) of the
+// sequence's context, causal. Leaves o (unnormalized) and m, l (running max, denominator).
+template <int ND, typename T>
+void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const int32_t* table,
+                 int64_t ctx, int64_t q_len, int64_t q_row0, const AttnShape& sh,
+                 AttnScratch& w) {
+  constexpr int D = ND * kLanes;
+  const int64_t G = sh.group, ntok = it.tok_end - it.tok_begin;
+  const int rows = static_cast<int>(ntok * G);
+  const int64_t pos0 = ctx - q_len + it.tok_begin;  // position of the first token
+  const int64_t last = std::min<int64_t>(it.key_end, pos0 + ntok);  // keys after: unseen
+  const int64_t first_end = std::min<int64_t>(last, it.key_begin + kKeyTile);
+  prefetch_rows(kc, sh, table, it.kv_head, it.key_begin, first_end);
+  prefetch_rows(vc, sh, table, it.kv_head, it.key_begin, first_end);
+  for (int64_t t = 0; t < ntok; ++t) {
+    const T* src = q + (q_row0 + it.tok_begin + t) * sh.q_stride + it.kv_head * G * D;
+    for (int64_t g = 0; g < G; ++g)
+      for (int j = 0; j < ND; ++j)
+        store16(w.q.data() + (t * G + g) * D + j * kLanes,
+                load16(src + g * D + j * kLanes) * sh.scale);
+  }
+  std::fill(w.o.begin(), w.o.begin() + rows * D, 0.0f);
+  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+  const T* krows[kKeyTile];
+  const T* vrows[kKeyTile];
+  float corr[kMaxRows];
+  for (int64_t kb = it.key_begin; kb < last; kb += kKeyTile) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, last - kb));
+    const int64_t next_end = std::min<int64_t>(last, kb + 2 * kKeyTile);
+    if (kb + nk < next_end) {  // the next tile, while this one computes
+      prefetch_rows(kc, sh, table, it.kv_head, kb + nk, next_end);
+      prefetch_rows(vc, sh, table, it.kv_head, kb + nk, next_end);
+    }
+    kv_rows(kc, sh, table, it.kv_head, kb, nk, krows);
+    kv_rows(vc, sh, table, it.kv_head, kb, nk, vrows);
+    float* s = w.s.data();
+    if (rows < 8)
+      scores_by_dot<ND>(w.q.data(), rows, krows, nk, s);
+    else
+      scores_by_tile<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
+    for (int k = 0; k < nk; ++k)
+      for (int j = 0; j < ND; ++j)
+        store16(w.v.data() + k * D + j * kLanes, load16(vrows[k] + j * kLanes));
+    for (int r = 0; r < rows; ++r) {
+      const int64_t seen = std::min<int64_t>(nk, pos0 + r / G - kb + 1);  // causal
+      if (seen <= 0) {  // nothing visible in this tile: p = 0, the output stays
+        std::fill(s + r * kKeyTile, s + (r + 1) * kKeyTile, 0.0f);
+        corr[r] = 1.0f;
+      } else {
+        corr[r] = softmax_update(s + r * kKeyTile, static_cast<int>(seen), w.m[r], w.l[r]);
+      }
+    }
+    int r = 0;
+    for (; r + 2 <= rows; r += 2)
+      accumulate_pv<ND, 2>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
+    if (r < rows)
+      accumulate_pv<ND, 1>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
+  }
+}
+
+// Splits the step into work items (see the file comment).
+inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* qstart,
+                                        int64_t num_seqs, const AttnShape& sh, int threads) {
+  const int64_t tok_tile = std::max<int64_t>(1, kMaxRows / sh.group);
+  int64_t base = 0;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    base += sh.num_kv_heads * ((qstart[s + 1] - qstart[s] + tok_tile - 1) / tok_tile);
+  std::vector<AttnItem> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = qstart[s + 1] - qstart[s], ctx = seq_lens[s];
+    int64_t parts = 1;
+    if (q_len <= tok_tile && base < 4 * threads && ctx >= 2 * kPartTokens)
+      parts = std::min<int64_t>((ctx + kPartTokens - 1) / kPartTokens,
+                                (4 * threads + base - 1) / base);
+    const int64_t span = (ctx + parts - 1) / parts;
+    for (int64_t h = 0; h < sh.num_kv_heads; ++h)
+      for (int64_t t = 0; t < q_len; t += tok_tile)
+        for (int64_t p = 0; p < parts; ++p)
+          items.push_back({int32_t(s), int32_t(h), int32_t(t), int32_t(std::min(q_len, t + tok_tile)),
+                           int32_t(p * span), int32_t(std::min(ctx, (p + 1) * span)),
+                           int32_t(parts == 1 ? -1 : p)});
+  }
+  return items;
+}
+
+template <int ND, typename T>
+void paged_attention_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
+                          const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
+                          const AttnShape& sh) {
+  constexpr int D = ND * kLanes;
+  const int threads = at::get_num_threads();
+  const std::vector<AttnItem> items = plan_items(seq_lens, qstart, num_seqs, sh, threads);
+  // Split contexts: each part's normalized output and log-sum-exp, merged afterwards.
+  std::vector<int64_t> part_base(items.size(), -1);
+  int64_t part_rows = 0;
+  for (size_t i = 0; i < items.size(); ++i)
+    if (items[i].part >= 0) {
+      part_base[i] = part_rows;
+      part_rows += (items[i].tok_end - items[i].tok_begin) * sh.group;
+    }
+  std::vector<float> part_o(part_rows * D), part_lse(part_rows);
+  std::atomic<size_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    thread_local AttnScratch w;
+    w.reserve(D);
+    for (size_t i = next++; i < items.size(); i = next++) {
+      const AttnItem& it = items[i];
+      const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
+      attend_item<ND>(it, q, kc, vc, table + it.seq * sh.max_blocks, ctx, q_len,
+                      qstart[it.seq], sh, w);
+      const int64_t rows = (it.tok_end - it.tok_begin) * sh.group;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
+        const float* o = w.o.data() + r * D;
+        if (it.part >= 0) {
+          float* dst = part_o.data() + (part_base[i] + r) * D;
+          for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, load16(o + j * kLanes) * inv);
+          part_lse[part_base[i] + r] = w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : kNegInf;
+          continue;
+        }
+        const int64_t tok = qstart[it.seq] + it.tok_begin + r / sh.group;
+        T* dst = out + tok * sh.out_stride + (it.kv_head * sh.group + r % sh.group) * D;
+        for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, load16(o + j * kLanes) * inv);
+      }
+    }
+  });
+  if (part_rows == 0) return;
+  // Merge: items of one (sequence, KV head, token tile) are consecutive, parts in order.
+  for (size_t i = 0; i < items.size();) {
+    if (items[i].part < 0) { ++i; continue; }
+    size_t e = i;
+    while (e < items.size() && items[e].part >= 0 && items[e].seq == items[i].seq &&
+           items[e].kv_head == items[i].kv_head && items[e].tok_begin == items[i].tok_begin)
+      ++e;
+    const AttnItem& it = items[i];
+    const int64_t rows = (it.tok_end - it.tok_begin) * sh.group;
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = kNegInf;
+      for (size_t p = i; p < e; ++p) m = std::max(m, part_lse[part_base[p] + r]);
+      f32x16 acc[ND] = {};
+      float total = 0.0f;
+      for (size_t p = i; p < e; ++p) {
+        const float lse = part_lse[part_base[p] + r];
+        if (lse == kNegInf) continue;
+        const float wgt = std::exp(lse - m);
+        total += wgt;
+        const float* o = part_o.data() + (part_base[p] + r) * D;
+        for (int j = 0; j < ND; ++j) acc[j] += wgt * load16(o + j * kLanes);
+      }
+      const float inv = total > 0 ? 1.0f / total : 0.0f;
+      const int64_t tok = qstart[it.seq] + it.tok_begin + r / sh.group;
+      T* dst = out + tok * sh.out_stride + (it.kv_head * sh.group + r % sh.group) * D;
+      for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, acc[j] * inv);
+    }
+    i = e;
+  }
+}
+
+}  // namespace tw

@@ -1,0 +1,151 @@
+// y = x W^T (* scale) (+ bias) for a few rows of x (decode batches): a matrix-vector
+// product that streams W once for all rows at memory speed. W is bf16, fp32 or int8
+// (weight-only quantization: one fp32 scale per output channel, applied to the dot
+// product). Accumulation is fp32; y rounds to x's dtype.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include "vec.h"
+
+namespace tw {
+
+constexpr int kMaxLinearRows = 8;
+
+template <typename T>
+inline void finish_rows(T* y, int64_t out_stride, int64_t o, const float* sums, int M,
+                        const float* scale, const T* bias) {
+  for (int m = 0; m < M; ++m) {
+    float v = sums[m];
+    if (scale) v *= scale[o];
+    if (bias) v += static_cast<float>(bias[o]);
+    y[m * out_stride + o] = static_cast<T>(v);
+  }
+}
+
+// Two output rows at a time, 16 inputs per step, x pre-converted to fp32.
+template <int M, typename TW, typename T>
+void linear_rows_generic(T* y, int64_t out_stride, const float* xf, const TW* w, int64_t in,
+                         int64_t o0, int64_t o1, const float* scale, const T* bias) {
+  int64_t o = o0;
+  for (; o + 2 <= o1; o += 2) {
+    const TW* w0 = w + o * in;
+    const TW* w1 = w0 + in;
+    f32x16 a0[M] = {}, a1[M] = {};
+    for (int64_t i = 0; i < in; i += kLanes) {
+      const f32x16 v0 = load16(w0 + i), v1 = load16(w1 + i);
+      for (int m = 0; m < M; ++m) {
+        const f32x16 xv = load16(xf + m * in + i);
+        a0[m] += xv * v0;
+        a1[m] += xv * v1;
+      }
+    }
+    float s0[M], s1[M];
+    for (int m = 0; m < M; ++m) s0[m] = hsum(a0[m]), s1[m] = hsum(a1[m]);
+    finish_rows(y, out_stride, o, s0, M, scale, bias);
+    finish_rows(y, out_stride, o + 1, s1, M, scale, bias);
+  }
+  for (; o < o1; ++o) {
+    f32x16 a[M] = {};
+    for (int64_t i = 0; i < in; i += kLanes) {
+      const f32x16 v = load16(w + o * in + i);
+      for (int m = 0; m < M; ++m) a[m] += load16(xf + m * in + i) * v;
+    }
+    float s[M];
+    for (int m = 0; m < M; ++m) s[m] = hsum(a[m]);
+    finish_rows(y, out_stride, o, s, M, scale, bias);
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 weights and activations: pairs of products summed in fp32 by vdpbf16ps, no
+// conversion of W at all (the loop is bound by reading W).
+template <int M>
+void linear_rows_bf16dp(c10::BFloat16* y, int64_t out_stride, const c10::BFloat16* x,
+                        int64_t x_stride, const c10::BFloat16* w, int64_t in, int64_t o0,
+                        int64_t o1, const c10::BFloat16* bias) {
+  int64_t o = o0;
+  for (; o + 2 <= o1; o += 2) {
+    const c10::BFloat16* w0 = w + o * in;
+    const c10::BFloat16* w1 = w0 + in;
+    __m512 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 32) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + i);
+      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + i);
+      for (int m = 0; m < M; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + i);
+        a0[m] = _mm512_dpbf16_ps(a0[m], xv, v0);
+        a1[m] = _mm512_dpbf16_ps(a1[m], xv, v1);
+      }
+    }
+    float s0[M], s1[M];
+    for (int m = 0; m < M; ++m) s0[m] = _mm512_reduce_add_ps(a0[m]), s1[m] = _mm512_reduce_add_ps(a1[m]);
+    finish_rows(y, out_stride, o, s0, M, nullptr, bias);
+    finish_rows(y, out_stride, o + 1, s1, M, nullptr, bias);
+  }
+  for (; o < o1; ++o) {
+    __m512 a[M];
+    for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < in; i += 32) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(w + o * in + i);
+      for (int m = 0; m < M; ++m)
+        a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + i), v);
+    }
+    float s[M];
+    for (int m = 0; m < M; ++m) s[m] = _mm512_reduce_add_ps(a[m]);
+    finish_rows(y, out_stride, o, s, M, nullptr, bias);
+  }
+}
+#endif
+
+inline constexpr bool has_bf16_dot() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <int M, typename TW, typename T>
+void linear_small_impl(T* y, const T* x, int64_t x_stride, const TW* w, int64_t in, int64_t out,
+                       const float* scale, const T* bias) {
+  const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<TW, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>) {
+    if (in % 32 == 0 && scale == nullptr) {
+      at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
+        linear_rows_bf16dp<M>(y, out, x, x_stride, w, in, o0, o1, bias);
+      });
+      return;
+    }
+  }
+#endif
+  std::vector<float> xf(M * in);
+  for (int m = 0; m < M; ++m)
+    for (int64_t i = 0; i < in; i += kLanes) store16(xf.data() + m * in + i, load16(x + m * x_stride + i));
+  at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
+    linear_rows_generic<M>(y, out, xf.data(), w, in, o0, o1, scale, bias);
+  });
+}
+
+template <typename TW, typename T>
+void linear_small_any(T* y, const T* x, int64_t x_stride, const TW* w, int64_t in, int64_t out,
+                      int64_t rows, const float* scale, const T* bias) {
+  switch (rows) {
+    case 1: return linear_small_impl<1>(y, x, x_stride, w, in, out, scale, bias);
+    case 2: return linear_small_impl<2>(y, x, x_stride, w, in, out, scale, bias);
+    case 3: return linear_small_impl<3>(y, x, x_stride, w, in, out, scale, bias);
+    case 4: return linear_small_impl<4>(y, x, x_stride, w, in, out, scale, bias);
+    case 5: return linear_small_impl<5>(y, x, x_stride, w, in, out, scale, bias);
+    case 6: return linear_small_impl<6>(y, x, x_stride, w, in, out, scale, bias);
+    case 7: return linear_small_impl<7>(y, x, x_stride, w, in, out, scale, bias);
+    case 8: return linear_small_impl<8>(y, x, x_stride, w, in, out, scale, bias);
+  }
+}
+
+}  // namespace tw

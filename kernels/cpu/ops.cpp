@@ -1,0 +1,210 @@
+// Tidewire's CPU operators, registered as torch.ops.tidewire.*. Each has a torch
+// reference in kernels/reference.py and a parity test in tests/test_cpu_ops.py; the
+// Python wrappers in kernels/cpu_ops.py document the layouts.
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "attention.h"
+#include "elementwise.h"
+#include "linear.h"
+
+namespace tw {
+namespace {
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "tidewire cpu op: ", what); }
+
+template <typename T, int ND>
+void attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start,
+                     const AttnShape& sh) {
+  paged_attention_impl<ND, T>(out.data_ptr<T>(), q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(),
+                              v_cache.const_data_ptr<T>(), block_table.const_data_ptr<int32_t>(),
+                              seq_lens.const_data_ptr<int32_t>(),
+                              query_start.const_data_ptr<int32_t>(), seq_lens.size(0), sh);
+}
+
+template <typename T>
+void attention_by_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
+                      const at::Tensor& v, const at::Tensor& bt, const at::Tensor& sl,
+                      const at::Tensor& qs, const AttnShape& sh) {
+  switch (sh.head_dim % kLanes == 0 ? sh.head_dim / kLanes : 0) {
+    case 1: return attention_typed<T, 1>(out, q, k, v, bt, sl, qs, sh);
+    case 2: return attention_typed<T, 2>(out, q, k, v, bt, sl, qs, sh);
+    case 4: return attention_typed<T, 4>(out, q, k, v, bt, sl, qs, sh);
+    case 5: return attention_typed<T, 5>(out, q, k, v, bt, sl, qs, sh);
+    case 6: return attention_typed<T, 6>(out, q, k, v, bt, sl, qs, sh);
+    case 8: return attention_typed<T, 8>(out, q, k, v, bt, sl, qs, sh);
+    case 16: return attention_typed<T, 16>(out, q, k, v, bt, sl, qs, sh);
+    default: check(false, "head_dim must be 16, 32, 64, 80, 96, 128 or 256");
+  }
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale) {
+  check(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
+  check(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+        "caches must be [kv_heads, blocks, block_size, head_dim]");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  check(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
+            out.stride(1) == out.size(2),
+        "q and out need contiguous heads (the token stride may be anything)");
+  check(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+        "q, out and the caches must share a dtype");
+  check(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+            query_start.scalar_type() == at::kInt && block_table.is_contiguous() &&
+            seq_lens.is_contiguous() && query_start.is_contiguous(),
+        "block_table, seq_lens and query_start must be contiguous int32");
+  check(query_start.size(0) == seq_lens.size(0) + 1 && block_table.size(0) >= seq_lens.size(0),
+        "query_start must have num_seqs + 1 entries, block_table num_seqs rows");
+  const int64_t heads = q.size(1), kvh = k_cache.size(0), d = q.size(2);
+  check(k_cache.size(3) == d && heads % kvh == 0, "head_dim or GQA group mismatch");
+  AttnShape sh{heads, kvh, heads / kvh, d, k_cache.size(2), k_cache.size(1),
+               block_table.size(1), q.stride(0), out.stride(0), static_cast<float>(scale)};
+  check(sh.group <= kMaxRows, "GQA group too large");
+  if (q.scalar_type() == at::kFloat)
+    attention_by_dim<float>(out, q, k_cache, v_cache, block_table, seq_lens, query_start, sh);
+  else if (q.scalar_type() == at::kBFloat16)
+    attention_by_dim<c10::BFloat16>(out, q, k_cache, v_cache, block_table, seq_lens, query_start, sh);
+  else
+    check(false, "dtype must be float32 or bfloat16");
+}
+
+void check_rows(const at::Tensor& t, int64_t width, const char* what) {
+  check(t.dim() == 2 && t.size(1) == width && t.stride(1) == 1 && t.stride(0) == width, what);
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+              double eps, bool add) {
+  const int64_t hidden = weight.size(0), rows = x.size(0);
+  check(hidden % kLanes == 0, "hidden size must be a multiple of 16");
+  check_rows(out, hidden, "out must be contiguous [rows, hidden]");
+  check_rows(x, hidden, "x must be contiguous [rows, hidden]");
+  check_rows(residual, hidden, "residual must be contiguous [rows, hidden]");
+  check(out.size(0) == rows && residual.size(0) == rows && weight.is_contiguous() &&
+            x.scalar_type() == out.scalar_type() && x.scalar_type() == residual.scalar_type() &&
+            x.scalar_type() == weight.scalar_type(),
+        "rms_norm: shapes or dtypes disagree");
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(out.data_ptr<float>(), x.const_data_ptr<float>(),
+                         residual.data_ptr<float>(), weight.const_data_ptr<float>(), rows, hidden,
+                         float(eps), add);
+  else if (x.scalar_type() == at::kBFloat16)
+    rms_norm_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(), x.const_data_ptr<c10::BFloat16>(),
+                                 residual.data_ptr<c10::BFloat16>(),
+                                 weight.const_data_ptr<c10::BFloat16>(), rows, hidden, float(eps),
+                                 add);
+  else
+    check(false, "dtype must be float32 or bfloat16");
+}
+
+template <typename T>
+void rope_cache_typed(at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
+                      const at::Tensor& slots, int64_t heads, int64_t kvh, int64_t d) {
+  rope_and_cache<T>(qkv.data_ptr<T>(), qkv.stride(0), pos.const_data_ptr<int64_t>(),
+                    cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), kc.data_ptr<T>(),
+                    vc.data_ptr<T>(), slots.const_data_ptr<int64_t>(), qkv.size(0), heads, kvh, d,
+                    kc.size(1) * kc.size(2));
+}
+
+void rope_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                const at::Tensor& slot_mapping, int64_t num_heads) {
+  const int64_t kvh = k_cache.size(0), d = k_cache.size(3);
+  check(d % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
+  check(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * kvh) * d,
+        "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+        "caches must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  check(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+            positions.is_contiguous() && slot_mapping.is_contiguous() &&
+            positions.size(0) == qkv.size(0) && slot_mapping.size(0) == qkv.size(0),
+        "positions and slot_mapping must be contiguous int64 [tokens]");
+  check(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+            sin.is_contiguous() && cos.size(1) == d / 2,
+        "cos and sin must be contiguous fp32 [max_positions, head_dim / 2]");
+  check(qkv.scalar_type() == k_cache.scalar_type(), "qkv and the caches must share a dtype");
+  if (qkv.scalar_type() == at::kFloat)
+    rope_cache_typed<float>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
+                            kvh, d);
+  else if (qkv.scalar_type() == at::kBFloat16)
+    rope_cache_typed<c10::BFloat16>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
+                                    num_heads, kvh, d);
+  else
+    check(false, "dtype must be float32 or bfloat16");
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
+  const int64_t d = out.size(1);
+  check(d % kLanes == 0, "intermediate size must be a multiple of 16");
+  check_rows(x, 2 * d, "x must be contiguous [rows, 2 * d]");
+  check_rows(out, d, "out must be contiguous [rows, d]");
+  check(x.scalar_type() == out.scalar_type() && x.size(0) == out.size(0), "silu_and_mul: shapes");
+  if (x.scalar_type() == at::kFloat)
+    silu_and_mul_rows<float>(out.data_ptr<float>(), x.const_data_ptr<float>(), x.size(0), d);
+  else if (x.scalar_type() == at::kBFloat16)
+    silu_and_mul_rows<c10::BFloat16>(out.data_ptr<c10::BFloat16>(),
+                                     x.const_data_ptr<c10::BFloat16>(), x.size(0), d);
+  else
+    check(false, "dtype must be float32 or bfloat16");
+}
+
+template <typename T>
+void linear_small_by_weight(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                            const float* scale, const T* bias) {
+  const int64_t in = w.size(1), o = w.size(0), rows = x.size(0);
+  T* y = out.data_ptr<T>();
+  const T* xp = x.const_data_ptr<T>();
+  if (w.scalar_type() == at::kChar)
+    linear_small_any<int8_t, T>(y, xp, x.stride(0), w.const_data_ptr<int8_t>(), in, o, rows, scale, bias);
+  else if (w.scalar_type() == x.scalar_type())
+    linear_small_any<T, T>(y, xp, x.stride(0), w.const_data_ptr<T>(), in, o, rows, scale, bias);
+  else
+    check(false, "linear_small: the weight must be int8 or x's dtype");
+}
+
+void linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
+                  const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), in = w.size(1);
+  check(x.dim() == 2 && w.dim() == 2 && x.size(1) == in && x.stride(1) == 1 && w.is_contiguous(),
+        "linear_small: x [rows, in] with contiguous rows, w contiguous [out, in]");
+  check(rows >= 1 && rows <= kMaxLinearRows, "linear_small takes 1 to 8 rows");
+  check(in % kLanes == 0, "linear_small: in_features must be a multiple of 16");
+  check_rows(out, w.size(0), "out must be contiguous [rows, out]");
+  check(out.size(0) == rows && out.scalar_type() == x.scalar_type(), "linear_small: out shape");
+  const float* sp = nullptr;
+  if (scale.has_value()) {
+    check(scale->scalar_type() == at::kFloat && scale->is_contiguous() && scale->numel() == w.size(0),
+          "linear_small: scale must be fp32 [out]");
+    sp = scale->const_data_ptr<float>();
+  }
+  if (bias.has_value())
+    check(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == w.size(0),
+          "linear_small: bias must be [out] in x's dtype");
+  if (x.scalar_type() == at::kFloat)
+    linear_small_by_weight<float>(out, x, w, sp, bias ? bias->const_data_ptr<float>() : nullptr);
+  else if (x.scalar_type() == at::kBFloat16)
+    linear_small_by_weight<c10::BFloat16>(
+        out, x, w, sp, bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
+  else
+    check(false, "dtype must be float32 or bfloat16");
+}
+
+}  // namespace
+}  // namespace tw
+
+TORCH_LIBRARY(tidewire, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale) -> ()",
+        &tw::paged_attention);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
+        "bool add) -> ()", &tw::rms_norm);
+  m.def("rope_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads) -> ()",
+        &tw::rope_cache);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &tw::silu_and_mul);
+  m.def("linear_small(Tensor(a!) out, Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> ()",
+        &tw::linear_small);
+}

@@ -1,0 +1,124 @@
+// Portable 16-lane fp32 vectors (GCC/Clang vector extensions): one AVX-512 register
+// where the build machine has it, two AVX2 registers or four NEON ones elsewhere. The
+// extension is compiled with -march=native on the machine that runs it
+// (kernels/cpu_ops.py), so the same source serves every CPU.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace tw {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+
+constexpr int kLanes = 16;
+
+inline f32x16 splat(float x) { return f32x16{} + x; }
+
+// Loads of 16 consecutive values as fp32 (unaligned).
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f32x16 load16(const c10::BFloat16* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#else
+  u16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;  // bf16 is the top half of fp32
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+#endif
+}
+
+inline f32x16 load16(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+  i8x16 b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(__builtin_convertvector(b, i32x16), f32x16);
+#endif
+}
+
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// fp32 -> bf16 with round-to-nearest-even (what torch's .to(bfloat16) does; inputs
+// here are finite).
+inline void store16(c10::BFloat16* p, f32x16 v) {
+  u32x16 w;
+  std::memcpy(&w, &v, sizeof(w));
+  w = (w + 0x7FFFu + ((w >> 16) & 1u)) >> 16;
+  u16x16 h = __builtin_convertvector(w, u16x16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline float hsum(f32x16 v) {
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x8 s8 = a + b;
+  f32x4 c = __builtin_shufflevector(s8, s8, 0, 1, 2, 3);
+  f32x4 d = __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  f32x4 s4 = c + d;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
+
+inline float hmax(f32x16 v) {
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x8 m8 = a > b ? a : b;
+  f32x4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
+  f32x4 d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  f32x4 m4 = c > d ? c : d;
+  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
+}
+
+// exp(x) for x <= 0 (softmax arguments), relative error ~2e-7: exp(x) = 2^n * 2^f with
+// n = round(x log2 e) and a degree-6 polynomial for 2^f on [-0.5, 0.5]. Arguments under
+// -87 flush to 0 (and -inf gives 0).
+inline f32x16 vexp(f32x16 x) {
+  const f32x16 lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  f32x16 t = x * 1.44269504088896341f;
+  f32x16 n = __builtin_convertvector(__builtin_convertvector(t + (t >= 0 ? 0.5f : -0.5f), i32x16),
+                                     f32x16);
+  f32x16 f = t - n;  // in [-0.5, 0.5]
+  f32x16 p = splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  i32x16 e = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  f32x16 r = p * scale;
+  return x <= lo ? splat(0.0f) : r;
+}
+
+inline float sexp(float x) { return x <= -87.0f ? 0.0f : std::exp(x); }
+
+}  // namespace tw

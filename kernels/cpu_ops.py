@@ -1,0 +1,142 @@
+"""Tidewire's compiled CPU operators (kernels/cpu/*.cpp), built once per machine.
+
+The C++ sources are compiled with `-march=native` by torch.utils.cpp_extension the first
+time they are needed (about 30 s on 2 cores; `make install` does it ahead of time) and
+cached under `$TIDEWIRE_CACHE/ext/` keyed by the sources, the torch version and the CPU,
+so a copied cache never runs code built for another processor. The operators register
+as `torch.ops.tidewire.*`. Where no compiler is available (or TIDEWIRE_CPU_OPS=0),
+`available()` is False and callers use the torch references in kernels/reference.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tidewire.kernels")
+
+_SRC = Path(__file__).parent / "cpu"
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_identity() -> str:
+    """Model name and feature flags of this CPU (what -march=native compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(sorted(set(lines)))
+
+
+def build_dir() -> Path:
+    sources = sorted(_SRC.glob("*.[ch]*"))
+    h = hashlib.sha256(torch.__version__.encode() + _cpu_identity().encode())
+    for p in sources:
+        h.update(p.name.encode() + p.read_bytes())
+    root = Path(os.environ.get("TIDEWIRE_CACHE") or Path.home() / ".cache" / "tidewire")
+    return root / "ext" / f"cpu_ops-{h.hexdigest()[:16]}"
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    fresh = not any(out.glob("*.so"))
+    t0 = time.monotonic()
+    if fresh:
+        log.info("compiling Tidewire's CPU kernels into %s (once per machine)", out)
+    load(name="tidewire_cpu_ops", sources=[str(_SRC / "ops.cpp")], build_directory=str(out),
+         # -fopenmp: at::parallel_for is a header template that is parallel only where
+         # the including file is compiled with OpenMP; libgomp.so.1 then resolves to the
+         # copy torch has already loaded (one thread pool for torch and these kernels).
+         extra_cflags=["-O3", "-march=native", "-std=c++17", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    if fresh:
+        log.info("compiled the CPU kernels in %.1fs", time.monotonic() - t0)
+
+
+def available() -> bool:
+    """Whether torch.ops.tidewire.* are loaded (building them on first use)."""
+    with _lock:
+        if "ok" not in _state:
+            ok = os.environ.get("TIDEWIRE_CPU_OPS", "1") not in ("0", "false", "")
+            if ok:
+                try:
+                    _build()
+                except Exception as e:  # no compiler, no ninja, a failed build: fall back
+                    log.warning("Tidewire's CPU kernels are unavailable (%s); using torch ops",
+                                str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    ok = False
+            _state["ok"] = ok
+        return bool(_state["ok"])
+
+
+def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start: torch.Tensor, scale: float) -> None:
+    """Causal paged attention of a ragged batch, read in place from the cache, into `out`.
+
+    q, out [num_tokens, num_heads, head_dim] (heads contiguous, any token stride);
+    k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim] contiguous;
+    block_table [num_seqs, max_blocks], seq_lens [num_seqs] (context after this step),
+    query_start [num_seqs + 1], all int32. Query i of sequence s sits at position
+    seq_lens[s] - q_len + i. float32 or bfloat16 (fp32 accumulation either way);
+    head_dim in 16, 32, 64, 80, 96, 128, 256."""
+    torch.ops.tidewire.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens,
+                                       query_start, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rms_norm, fused: returns (normed, new residual). With a residual, the sum
+    x + residual is written into `residual` (which must be the caller's to overwrite) and
+    returned as the new residual. x, residual: contiguous [rows, hidden], hidden % 16 == 0."""
+    out = torch.empty_like(x)
+    if residual is None:
+        torch.ops.tidewire.rms_norm(out, x, x, weight, eps, False)
+        return out, x
+    torch.ops.tidewire.rms_norm(out, x, residual, weight, eps, True)
+    return out, residual
+
+
+def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+               num_heads: int) -> None:
+    """reference.rope over the q and k heads of qkv [tokens, (heads + 2 * kv_heads) *
+    head_dim] (rows contiguous), in place, then each token's k and v stored at its slot of
+    the [kv_heads, num_blocks, block_size, head_dim] caches (slot -1: not stored).
+    positions, slot_mapping: int64 [tokens]; cos, sin: fp32 [max_positions, head_dim / 2]
+    (reference.rope_cos_sin); head_dim % 32 == 0."""
+    torch.ops.tidewire.rope_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
+                                  num_heads)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """reference.silu_and_mul: x [rows, 2d] contiguous -> [rows, d], d % 16 == 0."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+    torch.ops.tidewire.silu_and_mul(out, x)
+    return out
+
+
+MAX_SMALL_ROWS = 8
+
+
+def linear_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (* scale per output channel) (+ bias) for 1 to 8 rows of x [rows, in]
+    (rows contiguous; in % 16 == 0): W [out, in] contiguous, in x's dtype or int8 (then
+    `scale`, fp32 [out], dequantizes). fp32 accumulation; y [rows, out] in x's dtype.
+    Streams W once for all rows: the decode-time matmul, bound by memory speed."""
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    torch.ops.tidewire.linear_small(out, x, weight, scale, bias)
+    return out

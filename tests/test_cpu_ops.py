@@ -1,0 +1,154 @@
+"""Parity of the compiled CPU operators (kernels/cpu/*.cpp) with their torch references
+(kernels/reference.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from kernels import cpu_ops
+from kernels import reference as ref
+
+# Where a compiler exists the kernels must build: a broken build fails here, not skips.
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and not cpu_ops.available(),
+                                reason="no C++ compiler here")
+
+
+def test_the_kernels_build_where_a_compiler_exists() -> None:
+    assert cpu_ops.available()
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _paged_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: int, bs: int,
+                dtype: torch.dtype, seed: int = 0):
+    """Random caches holding each (q_len, ctx) sequence in shuffled physical blocks."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-ctx // bs) for _, ctx in seqs]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    width = max(need)
+    table = torch.zeros((len(seqs), width), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at : at + n]
+        at += n
+    k_cache = torch.randn((kv_heads, num_blocks, bs, d), generator=g).to(dtype)
+    v_cache = torch.randn((kv_heads, num_blocks, bs, d), generator=g).to(dtype)
+    q_lens = [q for q, _ in seqs]
+    q = torch.randn((sum(q_lens), heads, d), generator=g).to(dtype)
+    qstart = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    lens = torch.tensor([c for _, c in seqs], dtype=torch.int32)
+    return q, k_cache, v_cache, table, lens, qstart
+
+
+def _check_attention(seqs, heads, kv_heads, d, bs, dtype, seed=0):
+    q, kc, vc, table, lens, qstart = _paged_case(seqs, heads, kv_heads, d, bs, dtype, seed)
+    scale = d**-0.5
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, scale)
+    # the reference reads [num_blocks, block_size, kv_heads, d]: a permuted view
+    want, _ = ref.paged_attention(q.float(), kc.permute(1, 2, 0, 3).float(),
+                                  vc.permute(1, 2, 0, 3).float(), table, lens, qstart, scale)
+    torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [1, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)])
+def test_paged_attention_mixed_batch_matches_reference(dtype, bs, heads, kv_heads) -> None:
+    # decodes (one query) with ragged contexts, then prefill chunks with and without cached
+    # context; lengths not multiples of the block size
+    seqs = [(1, 1), (1, 37), (1, 100), (1, 16), (5, 5), (70, 90), (33, 33), (2, 47)]
+    _check_attention(seqs, heads, kv_heads, 64, bs, dtype)
+
+
+@pytest.mark.parametrize("d", [16, 32, 128])
+def test_paged_attention_head_dims(d) -> None:
+    _check_attention([(1, 20), (9, 40), (1, 3)], 8, 2, d, 16, torch.float32, seed=d)
+
+
+def test_paged_attention_prefill_tiles_longer_than_a_work_item() -> None:
+    # 300 query tokens with GQA 3: several query tiles per (sequence, KV head), causal
+    # across tile edges
+    _check_attention([(300, 300), (1, 5)], 9, 3, 64, 16, torch.float32, seed=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_32k_context_is_split_and_merged_exactly(dtype) -> None:
+    # one long decode: too few work items for the threads, so the context is split into
+    # parts whose results are merged by log-sum-exp
+    _check_attention([(1, 32768)], 9, 3, 64, 16, dtype, seed=3)
+    _check_attention([(1, 32768), (2, 3000)], 4, 4, 64, 32, dtype, seed=4)
+
+
+def test_paged_attention_reads_strided_queries_and_rejects_bad_layouts() -> None:
+    q, kc, vc, table, lens, qstart = _paged_case([(3, 20), (1, 9)], 4, 2, 64, 16, torch.float32)
+    wide = torch.randn(q.shape[0], 8, 64)  # q as a view into a wider row, like qkv
+    wide[:, :4] = q
+    out = torch.empty_like(q)
+    cpu_ops.paged_attention(out, wide[:, :4], kc, vc, table, lens, qstart, 0.125)
+    want, _ = ref.paged_attention(q, kc.permute(1, 2, 0, 3), vc.permute(1, 2, 0, 3), table,
+                                  lens, qstart, 0.125)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(RuntimeError, match="int32"):
+        cpu_ops.paged_attention(out, q, kc, vc, table.long(), lens, qstart, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        bad = torch.randn(q.shape[0], 4, 24)
+        cpu_ops.paged_attention(bad, bad, kc[..., :24].contiguous(), vc[..., :24].contiguous(),
+                                table, lens, qstart, 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("add", [False, True])
+def test_rms_norm_matches_reference(dtype, add) -> None:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 576, generator=g).to(dtype)
+    res = torch.randn(37, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    want, want_res = ref.rms_norm(x, w, 1e-5, res.clone() if add else None)
+    got, got_res = cpu_ops.rms_norm(x, w, 1e-5, res.clone() if add else None)
+    assert torch.equal(got_res, want_res)  # the residual sum rounds exactly as torch's add
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:  # off by at most one bf16 rounding step, rarely
+        assert (got != want).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rope_cache_matches_reference_and_writes_slots(dtype, head_dim) -> None:
+    g = torch.Generator().manual_seed(2)
+    heads, kvh, n, bs, nb = 6, 2, 11, 16, 5
+    qkv = torch.randn(n, (heads + 2 * kvh) * head_dim, generator=g).to(dtype)
+    pos = torch.randint(0, 500, (n,), generator=g)
+    cos, sin = ref.rope_cos_sin(head_dim, 512, 10000.0)
+    slots = torch.randperm(nb * bs, generator=g)[:n]
+    slots[3] = -1  # padding rows are not stored
+    kc = torch.zeros(kvh, nb, bs, head_dim, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    want = qkv.clone()
+    qk = want[:, : (heads + kvh) * head_dim].view(n, -1, head_dim)
+    qk.copy_(ref.rope(qk, *ref.rope_gather(cos, sin, pos, dtype)))
+    cpu_ops.rope_cache(qkv, pos, cos, sin, kc, vc, slots, heads)
+    tol = 1e-6 if dtype == torch.float32 else 0
+    torch.testing.assert_close(qkv, want, atol=tol, rtol=tol)
+    k = want[:, heads * head_dim : (heads + kvh) * head_dim].view(n, kvh, head_dim)
+    v = want[:, (heads + kvh) * head_dim :].view(n, kvh, head_dim)
+    flat_k, flat_v = kc.view(kvh, -1, head_dim), vc.view(kvh, -1, head_dim)
+    for i in range(n):
+        if i == 3:
+            continue
+        torch.testing.assert_close(flat_k[:, slots[i]], k[i], atol=tol, rtol=tol)
+        assert torch.equal(flat_v[:, slots[i]], v[i])
+    assert int((kc != 0).any(-1).sum()) == (n - 1) * kvh  # nothing else was written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype) -> None:
+    x = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), ref.silu_and_mul(x), atol=tol, rtol=tol)
