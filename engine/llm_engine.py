@@ -6,6 +6,7 @@ the caller of the offline LLM API)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,9 +21,10 @@ from engine.block_manager import KVCacheManager
 from engine.config import CacheConfig, SchedulerConfig, TierConfig
 from engine.detokenizer import IncrementalDetokenizer, byte_level_table
 from engine.kv_offload import KVOffload, kv_fingerprint
-from engine.loader import (DEFAULT_MODEL, load_tokenizer, load_weights, resolve_model,
-                           weights_checksum)
+from engine.loader import (DEFAULT_MODEL, cache_root, load_tokenizer, load_weights,
+                           resolve_model, weights_checksum)
 from engine.model import ModelArch
+from engine.quant import QUANTIZATIONS
 from engine.outputs import StepOutput
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
@@ -45,6 +47,20 @@ def fast_dtype(attention_backend: str) -> str:
     return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
 
 
+def physical_cores() -> int:
+    """Cores this process may run on, each counted once however many hardware threads it
+    has (two threads of one core share its vector units: the matmuls gain nothing)."""
+    cores = set()
+    for cpu in os.sched_getaffinity(0):
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(),
+                       (topo / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
 
@@ -62,6 +78,8 @@ class EngineConfig:
     seed: int = 0
     debug: bool = False  # check block-manager integrity after every step
     enforce_eager: bool = False  # no CUDA graphs for decode steps (engine/cuda_graphs.py)
+    quantization: str = "none"  # "int8": weight-only int8 linears (engine/quant.py; CPU)
+    threads: int = 0  # torch threads of the engine thread; 0: one per physical core
     # AsyncEngine: a step's outputs go out once the next decode graph is on the GPU, so
     # the event loop's fan-out overlaps the GPU's work (no effect on the CPU backend)
     async_output: bool = True
@@ -69,6 +87,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
 
 
 class PromptTooLongError(ValueError):
@@ -79,6 +100,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.monotonic()
+        # on the thread that runs every op of this engine (OpenMP's setting is per thread)
+        torch.set_num_threads(config.threads or physical_cores())
         self.model_dir: Path = resolve_model(config.model)
         self.arch = ModelArch.from_dir(self.model_dir)
         self.tokenizer: Any = load_tokenizer(self.model_dir)
@@ -94,7 +117,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.arch, load_weights(self.model_dir), self.dtype,
                                   config.attention_backend, cc.block_size, self.num_blocks,
                                   config.seed, config.scheduler.max_num_seqs,
-                                  self.max_model_len, config.enforce_eager)
+                                  self.max_model_len, config.enforce_eager,
+                                  config.quantization, self._quant_cache())
         self.offload = self._make_offload()
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self.num_steps = 0
@@ -104,6 +128,12 @@ class LLMEngine:
         self._byte_tables: dict[bool, list[bytes] | None] = {}  # by skip_special_tokens
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
                  self.dtype_name, time.monotonic() - t0, self.num_blocks, cc.block_size)
+
+    def _quant_cache(self) -> Path | None:
+        if self.config.quantization == "none":
+            return None
+        key = weights_checksum(self.model_dir)[:16]
+        return cache_root() / "quantized" / f"{key}-{self.config.quantization}.safetensors"
 
     def _make_offload(self) -> KVOffload | None:
         from cache_store import make_tier

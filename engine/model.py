@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend
+from engine.quant import dequantize_int8, linear_weight_names, quantized
 from kernels import cpu_ops
 from kernels import reference as ref
 
@@ -96,24 +97,54 @@ class Linear:
     """y = x W^T (+ b) with W [out, in].
 
     For bf16 on CPU the weight is pre-packed once into oneDNN's blocked layout: the
-    same results bit for bit as F.linear, 1.1-2.7x faster on this machine (most at the
-    small row counts of decode steps, see bench/). Other dtypes use F.linear, so fp32
-    runs stay op-for-op with HF transformers."""
+    same results bit for bit as F.linear, 1.1-2.7x faster at batch sizes past a few rows.
+    At 1-4 rows the plain weight (kept too: 2 bytes a parameter more) goes through the
+    compiled matrix-vector kernel instead. Other dtypes use F.linear, so fp32 runs stay
+    op-for-op with HF transformers."""
+
+    # Up to this many rows, bf16 weights stream through cpu_ops.linear_small (one pass
+    # over W at memory speed; oneDNN reached ~70% of it at 1-4 rows here).
+    small_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features = weight.shape[0]
+        self.plain: torch.Tensor | None = None  # kept for linear_small
         packed = _mkldnn_pack(self.weight) if weight.dtype == torch.bfloat16 else None
         if packed is not None:
+            if weight.shape[1] % 32 == 0 and cpu_ops.available():
+                self.plain = self.weight
             self.weight = packed  # the packed copy replaces the plain one
             self._op = _PACKED_LINEAR  # resolved once: torch.ops lookups cost µs per call
         else:
             self._op = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and x.shape[0] <= self.small_rows:
+            return cpu_ops.linear_small(x, self.plain, None, self.bias)
         if self._op is not None:
             return self._op(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class Int8Linear:
+    """Weight-only int8 (engine/quant.py). Up to `small_rows` rows stream the int8
+    weights through cpu_ops.linear_small (half the bytes of bf16: decode is bound by
+    reading them); bigger batches, where that kernel loses to a dense GEMM, use the
+    dequantized weights in the activation dtype (the same values)."""
+
+    small_rows = 4
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        self.q, self.scale, self.bias = q.contiguous(), scale.float().contiguous(), bias
+        self.out_features = q.shape[0]
+        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.small_rows:
+            return cpu_ops.linear_small(x, self.q, self.scale, self.bias)
+        return self.dense(x)
 
 
 _PACKED_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
@@ -136,22 +167,39 @@ def _mkldnn_pack(w: torch.Tensor) -> torch.Tensor | None:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden]
-    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, hidden] (+ bias for Qwen2)
-    o: Linear  # [hidden, heads * head_dim]
+    qkv: Linear | Int8Linear  # [(heads + 2 * kv_heads) * head_dim, hidden] (+ bias: Qwen2)
+    o: Linear | Int8Linear  # [hidden, heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    gate_up: Linear | Int8Linear  # [2 * intermediate, hidden]
+    down: Linear | Int8Linear  # [hidden, intermediate]
 
 
 class LlamaModel:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 attn: AttentionBackend) -> None:
+                 attn: AttentionBackend, quantization: str = "none",
+                 quant_cache: Path | None = None) -> None:
+        """`quantization`: "none" or "int8" (weight-only, per output channel; the CPU
+        backend with its compiled kernels only); `quant_cache`: where the int8 weights
+        are cached."""
         self.arch, self.dtype, self.attn = arch, dtype, attn
+        tied = arch.tie_word_embeddings or "lm_head.weight" not in weights
+        self._int8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if quantization == "int8":
+            if not getattr(attn, "compiled", False) or arch.hidden_size % 16:
+                raise ValueError("int8 quantization needs the cpu attention backend with its "
+                                 "compiled kernels (a C++ compiler) and hidden_size % 16 == 0")
+            src = dict(weights)
+            if tied:  # the LM head is a quantized copy of the (kept) embedding table
+                src["lm_head.weight"] = weights["model.embed_tokens.weight"]
+            self._int8 = quantized(src, linear_weight_names(src), quant_cache)
+        elif quantization != "none":
+            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
         w = {k: v.to(attn.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        lm_head = w.get("lm_head.weight")
-        self.lm_head = Linear(self.embed if arch.tie_word_embeddings or lm_head is None else lm_head)
+        if tied:
+            w["lm_head.weight"] = self.embed
+        self.lm_head = self._linear(w, ["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(arch.num_layers)]
         cos, sin = ref.rope_cos_sin(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
@@ -169,6 +217,15 @@ class LlamaModel:
             return CpuOps()
         return TorchOps()
 
+    def _linear(self, w: dict[str, torch.Tensor], names: list[str],
+                bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+        """One matmul over the named weights stacked by rows (q/k/v, gate/up)."""
+        if self._int8:
+            parts = [self._int8[n] for n in names]
+            return Int8Linear(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]),
+                              bias, self.dtype)
+        return Linear(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]], bias)
+
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
@@ -177,18 +234,19 @@ class LlamaModel:
             bias = torch.cat([w[a + f"{x}_proj.bias"] for x in "qkv"])
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=Linear(torch.cat([w[a + f"{x}_proj.weight"] for x in "qkv"]), bias),
-            o=Linear(w[a + "o_proj.weight"]),
+            qkv=self._linear(w, [a + f"{x}_proj.weight" for x in "qkv"], bias),
+            o=self._linear(w, [a + "o_proj.weight"]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=Linear(torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]])),
-            down=Linear(w[m + "down_proj.weight"]),
+            gate_up=self._linear(w, [m + "gate_proj.weight", m + "up_proj.weight"]),
+            down=self._linear(w, [m + "down_proj.weight"]),
         )
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: object,
                 logits_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; returns fp32 logits [len(logits_rows), vocab]."""
+        """input_ids, positions: [num_tokens]; returns logits [len(logits_rows), vocab] in
+        the model's dtype (the caller takes an argmax as they are, or upcasts to sample)."""
         eps = self.arch.rms_norm_eps
         x = F.embedding(input_ids, self.embed)
         ops = self.ops
@@ -200,7 +258,7 @@ class LlamaModel:
             h, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
             x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
         x, _ = ops.rms_norm(x[logits_rows], self.norm, eps, residual[logits_rows])
-        return self.lm_head(x).float()
+        return self.lm_head(x)
 
     def _attention(self, h: torch.Tensor, rot: tuple[torch.Tensor, ...],
                    layer: LayerWeights,

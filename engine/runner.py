@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -54,15 +55,17 @@ class ModelRunner:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  backend: str, block_size: int, num_blocks: int, seed: int = 0,
                  max_num_seqs: int = 64, max_model_len: int = 8192,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, quantization: str = "none",
+                 quant_cache: Path | None = None) -> None:
         """`enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
-        graphs otherwise; engine/cuda_graphs.py)."""
+        graphs otherwise; engine/cuda_graphs.py). `quantization`: "none" or "int8"
+        (engine/quant.py), cached in `quant_cache`."""
         attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
                                     dtype)
         self.block_size = block_size
         self.attn = attn
         self.device = torch.device(attn.device)
-        self.model = LlamaModel(arch, weights, dtype, attn)
+        self.model = LlamaModel(arch, weights, dtype, attn, quantization, quant_cache)
         # One tensor holds every layer's K and V cache, so that moving whole blocks to
         # or from the host tier is one gather or scatter, not two per layer.
         self.kv = torch.zeros((arch.num_layers, 2, *attn.cache_shape(num_blocks)),
@@ -123,9 +126,10 @@ class ModelRunner:
             return Sampled({})
         if greedy is not None:
             return Sampled(dict(zip(sample_ids, greedy.cpu().tolist())))  # waits, no GIL
-        if logits.device.type != "cpu":
-            logits = logits.cpu()  # the sampler (and its seeded generators) run on the CPU
-        res = self.sampler(logits, sampling)
+        if sampling.argmax_only:  # the model's dtype as it is: no fp32 copy of every row
+            return Sampled(dict(zip(sample_ids, logits.max(-1).indices.tolist())))
+        # the sampler (and its seeded generators) run on the CPU, in fp32
+        res = self.sampler(logits.to("cpu", torch.float32), sampling)
         lps = {rid: lp for rid, lp in zip(sample_ids, res.logprobs) if lp is not None}
         return Sampled(dict(zip(sample_ids, res.tokens)), lps or None)
 

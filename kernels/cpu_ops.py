@@ -140,3 +140,9 @@ def linear_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     torch.ops.tidewire.linear_small(out, x, weight, scale, bias)
     return out
+
+
+if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (make install does)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"Tidewire CPU kernels: {'ready' if available() else 'unavailable (torch fallback)'}"
+          f" ({build_dir()})")

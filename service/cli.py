@@ -44,6 +44,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-tier-write-through", action="store_true",
                    default=_env("KV_TIER_WRITE_THROUGH", "0") not in ("0", "", "false"),
                    help="also write prompt blocks as they fill (prefix sharing across replicas)")
+    p.add_argument("--quantization", default=_env("QUANTIZATION", "none"),
+                   choices=["none", "int8"],
+                   help="int8: weight-only int8 linears, quantized at load and cached (CPU "
+                        "backend; about 2x faster decode at batch 1-4)")
+    p.add_argument("--threads", type=int, default=int(_env("THREADS", "0")),
+                   help="torch threads for the engine (0: one per physical core; more than "
+                        "the physical cores only slows the matmuls)")
 
 
 def _tier(a: argparse.Namespace):  # noqa: ANN202 - engine.TierConfig
@@ -62,7 +69,7 @@ def _llm(a: argparse.Namespace):  # noqa: ANN202 - engine.LLM
                max_num_seqs=a.max_num_seqs, enable_prefix_caching=not a.no_prefix_caching,
                attention_backend=a.attention_backend, kv_tier=t.kind, redis_url=t.redis_url,
                kv_tier_memory=t.memory_bytes, kv_tier_write_through=t.write_through,
-               enforce_eager=a.enforce_eager)
+               enforce_eager=a.enforce_eager, quantization=a.quantization, threads=a.threads)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -99,6 +106,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, not a.no_prefix_caching),
         scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs), tier=_tier(a),
         kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)), enforce_eager=a.enforce_eager,
+        quantization=a.quantization, threads=a.threads,
         async_output=a.async_output)
     limits = Limits(max_connections=a.max_connections,
                     max_inflight_per_connection=a.max_inflight_per_connection,

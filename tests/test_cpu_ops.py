@@ -152,3 +152,30 @@ def test_silu_and_mul_matches_reference(dtype) -> None:
     x = (torch.randn(9, 2 * 1536, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(cpu_ops.silu_and_mul(x), ref.silu_and_mul(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "int8"])
+def test_linear_small_matches_a_dense_matmul(rows, kind) -> None:
+    from engine.quant import dequantize_int8, quantize_int8
+
+    g = torch.Generator().manual_seed(rows)
+    dtype = torch.float32 if kind == "float32" else torch.bfloat16
+    w = torch.randn(197, 576, generator=g)  # an odd number of output rows
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    bias = torch.randn(197, generator=g).to(dtype)
+    if kind == "int8":
+        q, scale = quantize_int8(w)
+        got = cpu_ops.linear_small(x, q, scale, bias)
+        want = torch.nn.functional.linear(x.float(), dequantize_int8(q, scale), bias.float())
+    else:
+        got = cpu_ops.linear_small(x, w.to(dtype), None, bias)
+        want = torch.nn.functional.linear(x.float(), w.to(dtype).float(), bias.float())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    wide = torch.zeros(rows, 640, dtype=dtype)  # rows of a wider tensor: strided x
+    wide[:, :576] = x
+    torch.testing.assert_close(cpu_ops.linear_small(wide[:, :576], w.to(dtype)),
+                               cpu_ops.linear_small(x, w.to(dtype)))
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        cpu_ops.linear_small(torch.zeros(9, 576, dtype=dtype), w.to(dtype))

@@ -27,78 +27,63 @@ inline void finish_rows(T* y, int64_t out_stride, int64_t o, const float* sums, 
   }
 }
 
-// Two output rows at a time, 16 inputs per step, x pre-converted to fp32.
+// One output row at a time, four accumulator chains per x row: W is read as one
+// sequential stream (interleaving several rows' reads halved the memory speed here).
 template <int M, typename TW, typename T>
-void linear_rows_generic(T* y, int64_t out_stride, const float* xf, const TW* w, int64_t in,
-                         int64_t o0, int64_t o1, const float* scale, const T* bias) {
-  int64_t o = o0;
-  for (; o + 2 <= o1; o += 2) {
-    const TW* w0 = w + o * in;
-    const TW* w1 = w0 + in;
-    f32x16 a0[M] = {}, a1[M] = {};
-    for (int64_t i = 0; i < in; i += kLanes) {
-      const f32x16 v0 = load16(w0 + i), v1 = load16(w1 + i);
-      for (int m = 0; m < M; ++m) {
-        const f32x16 xv = load16(xf + m * in + i);
-        a0[m] += xv * v0;
-        a1[m] += xv * v1;
-      }
+inline void linear_rows_seq(T* y, int64_t out_stride, const float* xf, const TW* w, int64_t in,
+                            int64_t o0, int64_t o1, const float* scale, const T* bias) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const TW* wr = w + o * in;
+    f32x16 a[M][4] = {};
+    int64_t i = 0;
+    for (; i + 4 * kLanes <= in; i += 4 * kLanes) {
+      f32x16 v[4];
+      for (int u = 0; u < 4; ++u) v[u] = load16(wr + i + u * kLanes);
+      for (int m = 0; m < M; ++m)
+        for (int u = 0; u < 4; ++u) a[m][u] += load16(xf + m * in + i + u * kLanes) * v[u];
     }
-    float s0[M], s1[M];
-    for (int m = 0; m < M; ++m) s0[m] = hsum(a0[m]), s1[m] = hsum(a1[m]);
-    finish_rows(y, out_stride, o, s0, M, scale, bias);
-    finish_rows(y, out_stride, o + 1, s1, M, scale, bias);
-  }
-  for (; o < o1; ++o) {
-    f32x16 a[M] = {};
-    for (int64_t i = 0; i < in; i += kLanes) {
-      const f32x16 v = load16(w + o * in + i);
-      for (int m = 0; m < M; ++m) a[m] += load16(xf + m * in + i) * v;
+    for (; i < in; i += kLanes) {
+      const f32x16 v = load16(wr + i);
+      for (int m = 0; m < M; ++m) a[m][0] += load16(xf + m * in + i) * v;
     }
-    float s[M];
-    for (int m = 0; m < M; ++m) s[m] = hsum(a[m]);
-    finish_rows(y, out_stride, o, s, M, scale, bias);
+    float sums[M];
+    for (int m = 0; m < M; ++m) sums[m] = hsum((a[m][0] + a[m][1]) + (a[m][2] + a[m][3]));
+    finish_rows(y, out_stride, o, sums, M, scale, bias);
   }
 }
 
 #if defined(__AVX512BF16__)
 // bf16 weights and activations: pairs of products summed in fp32 by vdpbf16ps, no
-// conversion of W at all (the loop is bound by reading W).
+// conversion of W at all; one row at a time, four chains, as above.
 template <int M>
 void linear_rows_bf16dp(c10::BFloat16* y, int64_t out_stride, const c10::BFloat16* x,
                         int64_t x_stride, const c10::BFloat16* w, int64_t in, int64_t o0,
                         int64_t o1, const c10::BFloat16* bias) {
-  int64_t o = o0;
-  for (; o + 2 <= o1; o += 2) {
-    const c10::BFloat16* w0 = w + o * in;
-    const c10::BFloat16* w1 = w0 + in;
-    __m512 a0[M], a1[M];
-    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < in; i += 32) {
-      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + i);
-      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(w1 + i);
-      for (int m = 0; m < M; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + i);
-        a0[m] = _mm512_dpbf16_ps(a0[m], xv, v0);
-        a1[m] = _mm512_dpbf16_ps(a1[m], xv, v1);
-      }
-    }
-    float s0[M], s1[M];
-    for (int m = 0; m < M; ++m) s0[m] = _mm512_reduce_add_ps(a0[m]), s1[m] = _mm512_reduce_add_ps(a1[m]);
-    finish_rows(y, out_stride, o, s0, M, nullptr, bias);
-    finish_rows(y, out_stride, o + 1, s1, M, nullptr, bias);
-  }
-  for (; o < o1; ++o) {
-    __m512 a[M];
-    for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < in; i += 32) {
-      const __m512bh v = (__m512bh)_mm512_loadu_si512(w + o * in + i);
+  constexpr int kStep = 32;  // bf16 per vector
+  for (int64_t o = o0; o < o1; ++o) {
+    const c10::BFloat16* wr = w + o * in;
+    __m512 a[M][4];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < 4; ++u) a[m][u] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 4 * kStep <= in; i += 4 * kStep) {
+      __m512bh v[4];
+      for (int u = 0; u < 4; ++u) v[u] = (__m512bh)_mm512_loadu_si512(wr + i + u * kStep);
       for (int m = 0; m < M; ++m)
-        a[m] = _mm512_dpbf16_ps(a[m], (__m512bh)_mm512_loadu_si512(x + m * x_stride + i), v);
+        for (int u = 0; u < 4; ++u)
+          a[m][u] = _mm512_dpbf16_ps(
+              a[m][u], (__m512bh)_mm512_loadu_si512(x + m * x_stride + i + u * kStep), v[u]);
     }
-    float s[M];
-    for (int m = 0; m < M; ++m) s[m] = _mm512_reduce_add_ps(a[m]);
-    finish_rows(y, out_stride, o, s, M, nullptr, bias);
+    for (; i < in; i += kStep) {
+      const __m512bh v = (__m512bh)_mm512_loadu_si512(wr + i);
+      for (int m = 0; m < M; ++m)
+        a[m][0] = _mm512_dpbf16_ps(a[m][0], (__m512bh)_mm512_loadu_si512(x + m * x_stride + i), v);
+    }
+    float sums[M];
+    for (int m = 0; m < M; ++m)
+      sums[m] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[m][0], a[m][1]),
+                                                   _mm512_add_ps(a[m][2], a[m][3])));
+    finish_rows(y, out_stride, o, sums, M, nullptr, bias);
   }
 }
 #endif
@@ -129,7 +114,7 @@ void linear_small_impl(T* y, const T* x, int64_t x_stride, const TW* w, int64_t 
   for (int m = 0; m < M; ++m)
     for (int64_t i = 0; i < in; i += kLanes) store16(xf.data() + m * in + i, load16(x + m * x_stride + i));
   at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
-    linear_rows_generic<M>(y, out, xf.data(), w, in, o0, o1, scale, bias);
+    linear_rows_seq<M>(y, out, xf.data(), w, in, o0, o1, scale, bias);
   });
 }
 
