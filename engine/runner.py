@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import PrefillSpec, StepLayout, get_backend
+from engine.cpu_step import CpuDecodeStep
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel, ModelArch
 from engine.outputs import TokenLogprob
@@ -58,7 +59,8 @@ class ModelRunner:
                  enforce_eager: bool = False, quantization: str = "none",
                  quant_cache: Path | None = None) -> None:
         """`enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
-        graphs otherwise; engine/cuda_graphs.py). `quantization`: "none" or "int8"
+        graphs otherwise; engine/cuda_graphs.py) and no compiled CPU decode step
+        (engine/cpu_step.py). `quantization`: "none" or "int8"
         (engine/quant.py), cached in `quant_cache`."""
         attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
                                     dtype)
@@ -74,6 +76,9 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
+        self.cpu_step: CpuDecodeStep | None = None
+        if attn.name == "cpu" and not enforce_eager and CpuDecodeStep.supported(self.model):
+            self.cpu_step = CpuDecodeStep(self.model, self.kv_caches)
         if attn.name in ("cuda", "triton-interpret") and not enforce_eager:
             self.graphs = DecodeGraphs(self._forward, self.device, max_num_seqs,
                                        -(-max_model_len // block_size),
@@ -109,8 +114,13 @@ class ModelRunner:
         if launched is not None:
             launched()
         inputs = self.prepare(decodes, prefills)
-        logits = self._forward(inputs.input_ids, inputs.positions, inputs.meta,
-                               inputs.logits_rows)
+        if self.cpu_step is not None and not prefills and self.cpu_step.fits(len(decodes)):
+            logits = self.cpu_step.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if len(inputs.sample_ids) < len(decodes):
+                logits = logits[inputs.logits_rows]
+        else:
+            logits = self._forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                   inputs.logits_rows)
         return self._sample(logits, inputs.sample_ids, inputs.sampling)
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], sampling: SamplingBatch,

@@ -194,8 +194,9 @@ def test_auto_dtype_follows_the_cpu(tiny_models) -> None:
 
 def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path) -> None:
     """Weight-only int8: greedy tokens equal HF transformers running the dequantized
-    weights in fp32, on the int8 kernel (batches of <= 4 rows) and the dense path (big
-    prefill chunks) alike; the quantized weights are cached and reused."""
+    weights in fp32, through the compiled decode step, the eager int8 kernel (<= 4 rows)
+    and the dense path (prefill chunks, 6-row eager decodes) alike; the quantized weights
+    are cached and reused."""
     from safetensors.torch import load_file, save_file
     import shutil
 
@@ -213,8 +214,27 @@ def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path) -> No
     save_file(weights, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
     prompts = random_prompts(6, 3, 40, 320, seed=21)
     want = hf_greedy(ref_dir, prompts, GREEDY.max_tokens)
-    for kw in (dict(), dict(max_num_seqs=2)):  # 6 rows at once (dense) and 2 (int8 kernel)
+    for kw in (dict(), dict(enforce_eager=True, max_num_seqs=2), dict(enforce_eager=True)):
         llm = LLM(model=str(src), dtype="float32", quantization="int8", debug=True, **kw)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     assert llm.engine._quant_cache().exists()  # the second LLM loaded the first's int8 file
     assert llm.engine.runner.model.layers[0].qkv.q.dtype == torch.int8
+
+
+def test_compiled_cpu_decode_step_is_exact_and_falls_back_past_eight_sequences(tiny_models):
+    """The compiled decode step (engine/cpu_step.py) runs steps of 1-8 decodes; 12 at once
+    run eagerly; both equal HF, and equal the step-by-step eager engine."""
+    path = tiny_models("llama", 2, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+    llm = LLM(model=str(path), dtype="float32", debug=True)
+    step = llm.engine.runner.cpu_step
+    if step is None:
+        pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
+    prompts = random_prompts(12, 3, 50, 320, seed=31)
+    want = hf_greedy(path, prompts, GREEDY.max_tokens)
+    assert [o.token_ids for o in llm.generate(prompts[:5], GREEDY)] == want[:5]
+    assert step.steps == GREEDY.max_tokens - 1  # every decode step of the 5 ran compiled
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+    assert step.steps == GREEDY.max_tokens - 1  # 12 decodes a step: all eager
+    eager = LLM(model=str(path), dtype="float32", enforce_eager=True)
+    assert eager.engine.runner.cpu_step is None
+    assert [o.token_ids for o in eager.generate(prompts[:5], GREEDY)] == want[:5]

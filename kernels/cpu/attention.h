@@ -272,77 +272,103 @@ inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* 
   return items;
 }
 
+// A step's work items and where the parts of split contexts keep their partial results.
+struct AttnPlan {
+  std::vector<AttnItem> items;
+  std::vector<int64_t> part_base;                  // per item: first row in part_o, or -1
+  std::vector<std::pair<size_t, size_t>> groups;   // item ranges merged into one output
+  int64_t part_rows = 0;
+  std::vector<float> part_o, part_lse;
+
+  AttnPlan(const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
+           const AttnShape& sh, int threads)
+      : items(plan_items(seq_lens, qstart, num_seqs, sh, threads)), part_base(items.size(), -1) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (items[i].part < 0) continue;
+      part_base[i] = part_rows;
+      part_rows += (items[i].tok_end - items[i].tok_begin) * sh.group;
+      if (items[i].part == 0) groups.emplace_back(i, i);
+      groups.back().second = i + 1;  // parts of one (seq, kv head, tile) are consecutive
+    }
+    part_o.resize(part_rows * sh.head_dim);
+    part_lse.resize(part_rows);
+  }
+};
+
+template <typename T, int ND>
+inline void store_row(T* out, const AttnShape& sh, const int32_t* qstart, const AttnItem& it,
+                      int64_t r, const float* o, float inv) {
+  const int64_t tok = qstart[it.seq] + it.tok_begin + r / sh.group;
+  T* dst = out + tok * sh.out_stride + (it.kv_head * sh.group + r % sh.group) * ND * kLanes;
+  for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, load16(o + j * kLanes) * inv);
+}
+
+// Item i of the plan: its rows into `out`, or, for a part of a split context, into the
+// plan's partial buffers.
+template <int ND, typename T>
+void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const T* kc, const T* vc,
+              const int32_t* table, const int32_t* seq_lens, const int32_t* qstart,
+              const AttnShape& sh, AttnScratch& w) {
+  constexpr int D = ND * kLanes;
+  const AttnItem& it = plan.items[i];
+  const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
+  attend_item<ND>(it, q, kc, vc, table + it.seq * sh.max_blocks, ctx, q_len, qstart[it.seq], sh,
+                  w);
+  const int64_t rows = (it.tok_end - it.tok_begin) * sh.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
+    const float* o = w.o.data() + r * D;
+    if (it.part < 0) {
+      store_row<T, ND>(out, sh, qstart, it, r, o, inv);
+      continue;
+    }
+    float* dst = plan.part_o.data() + (plan.part_base[i] + r) * D;
+    for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, load16(o + j * kLanes) * inv);
+    plan.part_lse[plan.part_base[i] + r] = w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : kNegInf;
+  }
+}
+
+// Group g of split parts: their outputs merged exactly by log-sum-exp into `out`.
+template <int ND, typename T>
+void merge_group(const AttnPlan& plan, size_t g, T* out, const int32_t* qstart,
+                 const AttnShape& sh) {
+  constexpr int D = ND * kLanes;
+  const auto [b, e] = plan.groups[g];
+  const AttnItem& it = plan.items[b];
+  const int64_t rows = (it.tok_end - it.tok_begin) * sh.group;
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (size_t p = b; p < e; ++p) m = std::max(m, plan.part_lse[plan.part_base[p] + r]);
+    f32x16 acc[ND] = {};
+    float total = 0.0f;
+    for (size_t p = b; p < e; ++p) {
+      const float lse = plan.part_lse[plan.part_base[p] + r];
+      if (lse == kNegInf) continue;
+      const float wgt = std::exp(lse - m);
+      total += wgt;
+      const float* o = plan.part_o.data() + (plan.part_base[p] + r) * D;
+      for (int j = 0; j < ND; ++j) acc[j] += wgt * load16(o + j * kLanes);
+    }
+    float merged[D];
+    for (int j = 0; j < ND; ++j) store16(merged + j * kLanes, acc[j]);
+    store_row<T, ND>(out, sh, qstart, it, r, merged, total > 0 ? 1.0f / total : 0.0f);
+  }
+}
+
 template <int ND, typename T>
 void paged_attention_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
                           const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
                           const AttnShape& sh) {
-  constexpr int D = ND * kLanes;
   const int threads = at::get_num_threads();
-  const std::vector<AttnItem> items = plan_items(seq_lens, qstart, num_seqs, sh, threads);
-  // Split contexts: each part's normalized output and log-sum-exp, merged afterwards.
-  std::vector<int64_t> part_base(items.size(), -1);
-  int64_t part_rows = 0;
-  for (size_t i = 0; i < items.size(); ++i)
-    if (items[i].part >= 0) {
-      part_base[i] = part_rows;
-      part_rows += (items[i].tok_end - items[i].tok_begin) * sh.group;
-    }
-  std::vector<float> part_o(part_rows * D), part_lse(part_rows);
+  AttnPlan plan(seq_lens, qstart, num_seqs, sh, threads);
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local AttnScratch w;
-    w.reserve(D);
-    for (size_t i = next++; i < items.size(); i = next++) {
-      const AttnItem& it = items[i];
-      const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
-      attend_item<ND>(it, q, kc, vc, table + it.seq * sh.max_blocks, ctx, q_len,
-                      qstart[it.seq], sh, w);
-      const int64_t rows = (it.tok_end - it.tok_begin) * sh.group;
-      for (int64_t r = 0; r < rows; ++r) {
-        const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
-        const float* o = w.o.data() + r * D;
-        if (it.part >= 0) {
-          float* dst = part_o.data() + (part_base[i] + r) * D;
-          for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, load16(o + j * kLanes) * inv);
-          part_lse[part_base[i] + r] = w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : kNegInf;
-          continue;
-        }
-        const int64_t tok = qstart[it.seq] + it.tok_begin + r / sh.group;
-        T* dst = out + tok * sh.out_stride + (it.kv_head * sh.group + r % sh.group) * D;
-        for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, load16(o + j * kLanes) * inv);
-      }
-    }
+    w.reserve(sh.head_dim);
+    for (size_t i = next++; i < plan.items.size(); i = next++)
+      run_item<ND>(plan, i, out, q, kc, vc, table, seq_lens, qstart, sh, w);
   });
-  if (part_rows == 0) return;
-  // Merge: items of one (sequence, KV head, token tile) are consecutive, parts in order.
-  for (size_t i = 0; i < items.size();) {
-    if (items[i].part < 0) { ++i; continue; }
-    size_t e = i;
-    while (e < items.size() && items[e].part >= 0 && items[e].seq == items[i].seq &&
-           items[e].kv_head == items[i].kv_head && items[e].tok_begin == items[i].tok_begin)
-      ++e;
-    const AttnItem& it = items[i];
-    const int64_t rows = (it.tok_end - it.tok_begin) * sh.group;
-    for (int64_t r = 0; r < rows; ++r) {
-      float m = kNegInf;
-      for (size_t p = i; p < e; ++p) m = std::max(m, part_lse[part_base[p] + r]);
-      f32x16 acc[ND] = {};
-      float total = 0.0f;
-      for (size_t p = i; p < e; ++p) {
-        const float lse = part_lse[part_base[p] + r];
-        if (lse == kNegInf) continue;
-        const float wgt = std::exp(lse - m);
-        total += wgt;
-        const float* o = part_o.data() + (part_base[p] + r) * D;
-        for (int j = 0; j < ND; ++j) acc[j] += wgt * load16(o + j * kLanes);
-      }
-      const float inv = total > 0 ? 1.0f / total : 0.0f;
-      const int64_t tok = qstart[it.seq] + it.tok_begin + r / sh.group;
-      T* dst = out + tok * sh.out_stride + (it.kv_head * sh.group + r % sh.group) * D;
-      for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, acc[j] * inv);
-    }
-    i = e;
-  }
+  for (size_t g = 0; g < plan.groups.size(); ++g) merge_group<ND>(plan, g, out, qstart, sh);
 }
 
 }  // namespace tw

@@ -27,28 +27,32 @@ inline f32x16 vexp_any(f32x16 x) {
 // out = weight * rmsnorm(x (+ residual)); with `add`, residual <- x + residual first (in
 // the activation dtype) and the norm reads it. Rows of `hidden` elements, contiguous.
 template <typename T>
+inline void rms_norm_row(T* out, const T* xr, T* res, const T* weight, int64_t hidden, float eps,
+                         bool add) {
+  const T* src = add ? res : xr;
+  f32x16 ss = {};
+  for (int64_t i = 0; i < hidden; i += kLanes) {
+    f32x16 v = load16(xr + i);
+    if (add) {
+      v = round_to(v + load16(res + i), xr);
+      store16(res + i, v);
+    }
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(hsum(ss) / float(hidden) + eps);
+  for (int64_t i = 0; i < hidden; i += kLanes) {
+    const f32x16 h = round_to(load16(src + i) * inv, xr);
+    store16(out + i, load16(weight + i) * h);
+  }
+}
+
+template <typename T>
 void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t rows,
                    int64_t hidden, float eps, bool add) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * hidden;
-      T* res = residual + r * hidden;
-      const T* src = add ? res : xr;
-      f32x16 ss = {};
-      for (int64_t i = 0; i < hidden; i += kLanes) {
-        f32x16 v = load16(xr + i);
-        if (add) {
-          v = round_to(v + load16(res + i), xr);
-          store16(res + i, v);
-        }
-        ss += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(hsum(ss) / float(hidden) + eps);
-      for (int64_t i = 0; i < hidden; i += kLanes) {
-        const f32x16 h = round_to(load16(src + i) * inv, xr);
-        store16(out + r * hidden + i, load16(weight + i) * h);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      rms_norm_row(out + r * hidden, x + r * hidden, residual + r * hidden, weight, hidden, eps,
+                   add);
   });
 }
 
@@ -57,57 +61,65 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
 // its cache slot (caches [kv_heads, num_blocks * block_size, head_dim]; slot < 0: not
 // stored). cos, sin: fp32 [max_positions, head_dim / 2].
 template <typename T>
+inline void rope_cache_token(T* x, int64_t position, const float* cos_t, const float* sin_t,
+                             T* k_cache, T* v_cache, int64_t slot, int64_t heads,
+                             int64_t kv_heads, int64_t d, int64_t cache_slots) {
+  const int64_t half = d / 2;
+  const float* c = cos_t + position * half;
+  const float* s = sin_t + position * half;
+  for (int64_t h = 0; h < heads + kv_heads; ++h) {
+    T* xh = x + h * d;
+    for (int64_t i = 0; i < half; i += kLanes) {
+      // the tables are cast to the activation dtype first, as the reference does
+      const f32x16 cv = round_to(load16(c + i), xh), sv = round_to(load16(s + i), xh);
+      const f32x16 a = load16(xh + i), b = load16(xh + half + i);
+      // x * cos + rotate_half(x) * sin, each product rounded as torch rounds it
+      const f32x16 lo = round_to(a * cv, xh) - round_to(b * sv, xh);
+      const f32x16 hi = round_to(b * cv, xh) + round_to(a * sv, xh);
+      store16(xh + i, lo);
+      store16(xh + half + i, hi);
+    }
+  }
+  if (slot < 0 || slot >= cache_slots) return;
+  for (int64_t h = 0; h < kv_heads; ++h) {
+    const T* k = x + (heads + h) * d;
+    const T* v = x + (heads + kv_heads + h) * d;
+    T* kd = k_cache + (h * cache_slots + slot) * d;
+    T* vd = v_cache + (h * cache_slots + slot) * d;
+    for (int64_t i = 0; i < d; ++i) {
+      kd[i] = k[i];
+      vd[i] = v[i];
+    }
+  }
+}
+
+template <typename T>
 void rope_and_cache(T* qkv, int64_t row, const int64_t* positions, const float* cos_t,
                     const float* sin_t, T* k_cache, T* v_cache, const int64_t* slots,
                     int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
                     int64_t cache_slots) {
-  const int64_t half = d / 2;
   at::parallel_for(0, tokens, 8, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      T* x = qkv + t * row;
-      const float* c = cos_t + positions[t] * half;
-      const float* s = sin_t + positions[t] * half;
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        T* xh = x + h * d;
-        for (int64_t i = 0; i < half; i += kLanes) {
-          // the tables are cast to the activation dtype first, as the reference does
-          const f32x16 cv = round_to(load16(c + i), xh), sv = round_to(load16(s + i), xh);
-          const f32x16 a = load16(xh + i), b = load16(xh + half + i);
-          // x * cos + rotate_half(x) * sin, each product rounded as torch rounds it
-          const f32x16 lo = round_to(a * cv, xh) - round_to(b * sv, xh);
-          const f32x16 hi = round_to(b * cv, xh) + round_to(a * sv, xh);
-          store16(xh + i, lo);
-          store16(xh + half + i, hi);
-        }
-      }
-      const int64_t slot = slots[t];
-      if (slot < 0 || slot >= cache_slots) continue;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const T* k = x + (heads + h) * d;
-        const T* v = x + (heads + kv_heads + h) * d;
-        T* kd = k_cache + (h * cache_slots + slot) * d;
-        T* vd = v_cache + (h * cache_slots + slot) * d;
-        for (int64_t i = 0; i < d; ++i) {
-          kd[i] = k[i];
-          vd[i] = v[i];
-        }
-      }
-    }
+    for (int64_t t = t0; t < t1; ++t)
+      rope_cache_token(qkv + t * row, positions[t], cos_t, sin_t, k_cache, v_cache, slots[t],
+                       heads, kv_heads, d, cache_slots);
   });
 }
 
 // out [rows, d] = silu(gate) * up for x [rows, 2d] = [gate | up].
+// Columns [c0, c1) of one row (c0, c1 multiples of 16).
+template <typename T>
+inline void silu_and_mul_row(T* out, const T* g, int64_t d, int64_t c0, int64_t c1) {
+  for (int64_t i = c0; i < c1; i += kLanes) {
+    const f32x16 gv = load16(g + i);
+    const f32x16 silu = round_to(gv / (1.0f + vexp_any(-gv)), g);
+    store16(out + i, silu * load16(g + d + i));
+  }
+}
+
 template <typename T>
 void silu_and_mul_rows(T* out, const T* x, int64_t rows, int64_t d) {
   at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* g = x + r * 2 * d;
-      for (int64_t i = 0; i < d; i += kLanes) {
-        const f32x16 gv = load16(g + i);
-        const f32x16 silu = round_to(gv / (1.0f + vexp_any(-gv)), g);
-        store16(out + r * d + i, silu * load16(g + d + i));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_and_mul_row(out + r * d, x + r * 2 * d, d, 0, d);
   });
 }
 

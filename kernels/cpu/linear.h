@@ -4,6 +4,9 @@
 // product). Accumulation is fp32; y rounds to x's dtype.
 #pragma once
 
+#include <type_traits>
+#include <vector>
+
 #include <ATen/Parallel.h>
 
 #if defined(__AVX512BF16__)
@@ -96,25 +99,56 @@ inline constexpr bool has_bf16_dot() {
 #endif
 }
 
+template <typename T>
+inline void to_fp32(float* xf, const T* x, int64_t x_stride, int rows, int64_t in) {
+  for (int m = 0; m < rows; ++m)
+    for (int64_t i = 0; i < in; i += kLanes) store16(xf + m * in + i, load16(x + m * x_stride + i));
+}
+
+// Whether x W^T reads x as it is (bf16 pairs) rather than its fp32 copy.
+template <typename TW, typename T>
+inline bool reads_x_directly(int64_t in, const float* scale) {
+  return has_bf16_dot() && std::is_same_v<TW, c10::BFloat16> && std::is_same_v<T, c10::BFloat16> &&
+         in % 32 == 0 && scale == nullptr;
+}
+
+template <int M, typename TW, typename T>
+void linear_range_m(T* y, const T* x, int64_t x_stride, const float* xf, const TW* w, int64_t in,
+                    int64_t out, const float* scale, const T* bias, int64_t o0, int64_t o1) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<TW, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>) {
+    if (reads_x_directly<TW, T>(in, scale))
+      return linear_rows_bf16dp<M>(y, out, x, x_stride, w, in, o0, o1, bias);
+  }
+#endif
+  linear_rows_seq<M>(y, out, xf, w, in, o0, o1, scale, bias);
+}
+
+// Output columns [o0, o1) of y [rows, out] = x W^T; `xf` holds x in fp32 (to_fp32) unless
+// reads_x_directly.
+template <typename TW, typename T>
+void linear_range(T* y, const T* x, int64_t x_stride, const float* xf, const TW* w, int64_t in,
+                  int64_t out, int rows, const float* scale, const T* bias, int64_t o0,
+                  int64_t o1) {
+  switch (rows) {
+#define TW_CASE(M) \
+  case M: return linear_range_m<M>(y, x, x_stride, xf, w, in, out, scale, bias, o0, o1);
+    TW_CASE(1) TW_CASE(2) TW_CASE(3) TW_CASE(4) TW_CASE(5) TW_CASE(6) TW_CASE(7) TW_CASE(8)
+#undef TW_CASE
+  }
+}
+
 template <int M, typename TW, typename T>
 void linear_small_impl(T* y, const T* x, int64_t x_stride, const TW* w, int64_t in, int64_t out,
                        const float* scale, const T* bias) {
   const int64_t grain = std::max<int64_t>(16, out / (4 * at::get_num_threads()));
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<TW, c10::BFloat16> && std::is_same_v<T, c10::BFloat16>) {
-    if (in % 32 == 0 && scale == nullptr) {
-      at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
-        linear_rows_bf16dp<M>(y, out, x, x_stride, w, in, o0, o1, bias);
-      });
-      return;
-    }
+  std::vector<float> xf;
+  if (!reads_x_directly<TW, T>(in, scale)) {
+    xf.resize(M * in);
+    to_fp32(xf.data(), x, x_stride, M, in);
   }
-#endif
-  std::vector<float> xf(M * in);
-  for (int m = 0; m < M; ++m)
-    for (int64_t i = 0; i < in; i += kLanes) store16(xf.data() + m * in + i, load16(x + m * x_stride + i));
   at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
-    linear_rows_seq<M>(y, out, xf.data(), w, in, o0, o1, scale, bias);
+    linear_range_m<M>(y, x, x_stride, xf.data(), w, in, out, scale, bias, o0, o1);
   });
 }
 

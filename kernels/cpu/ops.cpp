@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "attention.h"
+#include "decode_step.h"
 #include "elementwise.h"
 #include "linear.h"
 
@@ -192,6 +193,120 @@ void linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
     check(false, "dtype must be float32 or bfloat16");
 }
 
+template <typename T>
+StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears,
+                        const c10::List<c10::optional<at::Tensor>>& scales,
+                        const c10::List<c10::optional<at::Tensor>>& biases,
+                        const at::TensorList k_caches, const at::TensorList v_caches,
+                        int64_t num_heads, double eps) {
+  const int64_t layers = k_caches.size();
+  check(layers >= 1 && v_caches.size() == size_t(layers) && norms.size() == size_t(2 * layers + 1) &&
+            linears.size() == size_t(4 * layers + 1) && scales.size() == linears.size() &&
+            biases.size() == linears.size(),
+        "decode_step: 2L+1 norms, 4L+1 linears (scales, biases alike) and L caches");
+  const at::Tensor& k0 = k_caches[0];
+  StepModel<T> m;
+  m.layers = layers;
+  m.hidden = norms[0].numel();
+  m.heads = num_heads;
+  m.kv_heads = k0.size(0);
+  m.num_blocks = k0.size(1);
+  m.block_size = k0.size(2);
+  m.head_dim = k0.size(3);
+  m.inter = linears[3].size(1);
+  m.vocab = linears[4 * layers].size(0);
+  m.eps = float(eps);
+  for (const auto& t : norms) {
+    check(t.scalar_type() == k0.scalar_type() && t.is_contiguous() && t.numel() == m.hidden,
+          "decode_step: norm weights");
+    m.norms.push_back(t.const_data_ptr<T>());
+  }
+  for (size_t i = 0; i < linears.size(); ++i) {
+    const at::Tensor& w = linears[i];
+    const bool q8 = w.scalar_type() == at::kChar;
+    check(w.dim() == 2 && w.is_contiguous() && (q8 || w.scalar_type() == k0.scalar_type()) &&
+              w.size(1) % kLanes == 0,
+          "decode_step: linear weights must be contiguous [out, in], in % 16 == 0, int8 or "
+          "the caches' dtype");
+    const c10::optional<at::Tensor> sc = scales.get(i), b = biases.get(i);
+    check(q8 == sc.has_value(), "decode_step: int8 weights come with scales, others without");
+    m.linears.push_back({w.const_data_ptr(), q8, sc ? sc->const_data_ptr<float>() : nullptr,
+                         b ? b->const_data_ptr<T>() : nullptr, w.size(1), w.size(0)});
+  }
+  for (int64_t l = 0; l < layers; ++l) {
+    check(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
+              k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes(),
+          "decode_step: caches");
+    m.k_caches.push_back(k_caches[l].data_ptr<T>());
+    m.v_caches.push_back(v_caches[l].data_ptr<T>());
+  }
+  const int64_t d = m.head_dim;
+  check(linears[0].size(0) == (num_heads + 2 * m.kv_heads) * d && linears[0].size(1) == m.hidden &&
+            linears[1].size(1) == num_heads * d && linears[2].size(0) == 2 * m.inter &&
+            d % (2 * kLanes) == 0 && m.hidden % kLanes == 0 && m.inter % kLanes == 0,
+        "decode_step: layer shapes");
+  return m;
+}
+
+template <typename T>
+void decode_step_typed(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
+                       const at::Tensor& slots, const at::Tensor& table, const at::Tensor& seq_lens,
+                       const at::Tensor& qstart, const at::Tensor& cos, const at::Tensor& sin,
+                       const StepModel<T>& m, double scale) {
+  const int rows = static_cast<int>(x.size(0));
+  auto run = [&](auto nd) {
+    decode_step_impl<decltype(nd)::value, T>(
+        m, logits.data_ptr<T>(), x.data_ptr<T>(), rows, positions.const_data_ptr<int64_t>(),
+        slots.const_data_ptr<int64_t>(), table.const_data_ptr<int32_t>(), table.size(1),
+        seq_lens.const_data_ptr<int32_t>(), qstart.const_data_ptr<int32_t>(),
+        cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), float(scale));
+  };
+  switch (m.head_dim / kLanes) {
+    case 2: return run(std::integral_constant<int, 2>{});
+    case 4: return run(std::integral_constant<int, 4>{});
+    case 6: return run(std::integral_constant<int, 6>{});
+    case 8: return run(std::integral_constant<int, 8>{});
+    case 16: return run(std::integral_constant<int, 16>{});
+    default: check(false, "decode_step: head_dim must be 32, 64, 96, 128 or 256");
+  }
+}
+
+void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
+                 const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                 const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& cos,
+                 const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+                 at::TensorList norms, at::TensorList linears,
+                 const c10::List<c10::optional<at::Tensor>>& scales,
+                 const c10::List<c10::optional<at::Tensor>>& biases, double eps, double scale,
+                 int64_t num_heads) {
+  const int64_t rows = x.size(0);
+  check(rows >= 1 && rows <= kMaxLinearRows, "decode_step takes 1 to 8 sequences");
+  check(x.is_contiguous() && logits.is_contiguous() && logits.size(0) == rows &&
+            logits.scalar_type() == x.scalar_type(),
+        "decode_step: x [rows, hidden] and logits [rows, vocab] contiguous, one dtype");
+  check(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+            block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+            query_start.scalar_type() == at::kInt && block_table.is_contiguous() &&
+            seq_lens.size(0) == rows && query_start.size(0) == rows + 1,
+        "decode_step: int64 positions and slots, int32 block table, seq_lens, query_start");
+  check(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+        "decode_step: fp32 cos/sin tables");
+  if (x.scalar_type() == at::kFloat) {
+    auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps);
+    check(logits.size(1) == m.vocab, "decode_step: logits width");
+    decode_step_typed<float>(logits, x, positions, slot_mapping, block_table, seq_lens,
+                             query_start, cos, sin, m, scale);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    auto m = step_model<c10::BFloat16>(norms, linears, scales, biases, k_caches, v_caches,
+                                       num_heads, eps);
+    check(logits.size(1) == m.vocab, "decode_step: logits width");
+    decode_step_typed<c10::BFloat16>(logits, x, positions, slot_mapping, block_table, seq_lens,
+                                     query_start, cos, sin, m, scale);
+  } else {
+    check(false, "dtype must be float32 or bfloat16");
+  }
+}
+
 }  // namespace
 }  // namespace tw
 
@@ -205,6 +320,11 @@ TORCH_LIBRARY(tidewire, m) {
         "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads) -> ()",
         &tw::rope_cache);
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()", &tw::silu_and_mul);
+  m.def("decode_step(Tensor(a!) logits, Tensor(b!) x, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_table, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
+        "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor[] norms, Tensor[] linears, "
+        "Tensor?[] scales, Tensor?[] biases, float eps, float scale, int num_heads) -> ()",
+        &tw::decode_step);
   m.def("linear_small(Tensor(a!) out, Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> ()",
         &tw::linear_small);
 }

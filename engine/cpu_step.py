@@ -1,0 +1,78 @@
+"""Decode steps of 1-8 sequences as one compiled call (the CPU backend).
+
+The CPU counterpart of engine/cuda_graphs.py. An eager decode step of a small model is
+~300 torch calls from Python, each forking and joining the OpenMP team: at batch 1 that
+overhead rivalled the time spent reading the weights. `torch.ops.tidewire.decode_step`
+(kernels/cpu/decode_step.h) runs the whole stack, final norm and LM head included, in
+one parallel region with barriers between phases, on the model's own weights and KV
+cache (nothing is copied or captured: the "buckets" are every batch size from 1 to
+`max_rows`). Steps with a prefill chunk, or with more sequences, run eagerly: past a
+few rows the oneDNN matmuls of the eager path are the faster ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import PagedMetadata
+from engine.model import CpuOps, Int8Linear, Linear, LlamaModel
+
+Matmul = Linear | Int8Linear
+
+
+def _weight(lin: Matmul) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The plain (or int8) weight and scale the compiled step reads, if it has one."""
+    if isinstance(lin, Int8Linear):
+        return lin.q, lin.scale
+    if lin.plain is not None:
+        return lin.plain, None
+    if lin._op is None and lin.weight.shape[1] % 16 == 0:  # an unpacked weight: as it is
+        return lin.weight, None
+    return None
+
+
+class CpuDecodeStep:
+    max_rows = 8  # the compiled kernels' matmuls take 1-8 rows
+
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.model = model
+        self.norms = [n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
+        self.norms.append(model.norm)
+        matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up,
+                                                         layer.down)] + [model.lm_head]
+        pairs = [_weight(m) for m in matmuls]
+        assert all(p is not None for p in pairs), "use CpuDecodeStep.supported() first"
+        self.weights = [p[0] for p in pairs]  # type: ignore[index]
+        self.scales = [p[1] for p in pairs]  # type: ignore[index]
+        self.biases = [m.bias for m in matmuls]
+        self.k_caches = [k for k, _ in kv_caches]
+        self.v_caches = [v for _, v in kv_caches]
+        self.steps = 0  # decode steps run here (tests check which path ran)
+
+    @staticmethod
+    def supported(model: LlamaModel) -> bool:
+        """Whether the model runs the compiled CPU ops and every matmul has a weight the
+        step can read (bf16 kept plain, fp32, or int8)."""
+        if not isinstance(model.ops, CpuOps):
+            return False
+        matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up,
+                                                         layer.down)] + [model.lm_head]
+        return all(_weight(m) is not None for m in matmuls)
+
+    def fits(self, num_seqs: int) -> bool:
+        return 0 < num_seqs <= self.max_rows
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: PagedMetadata) -> torch.Tensor:
+        """Logits [n, vocab] (the model's dtype) of n decodes: one token each."""
+        m, a = self.model, self.model.arch
+        x = F.embedding(input_ids, m.embed)  # becomes the residual stream (overwritten)
+        logits = torch.empty((x.shape[0], m.lm_head.out_features), dtype=x.dtype)
+        torch.ops.tidewire.decode_step(
+            logits, x, positions, meta.slot_mapping, meta.block_table, meta.seq_lens,
+            meta.query_start, m.cos, m.sin, self.k_caches, self.v_caches, self.norms,
+            self.weights, self.scales, self.biases, a.rms_norm_eps, m.attn.scale, a.num_heads)
+        self.steps += 1
+        return logits

@@ -1,0 +1,136 @@
+// A whole decode step of a Llama model for 1 to 8 sequences, in one call: every layer's
+// norm, matmuls, rope + cache write, paged attention and SiLU-mul, then the final norm
+// and the LM head. It is the CPU's counterpart of a CUDA graph replay: at batch 1 an
+// eager step makes ~300 calls from Python, each forking and joining the thread team;
+// here one OpenMP team lives through the step and its threads meet at barriers between
+// the phases, so the step costs little more than reading the weights.
+#pragma once
+
+#include <omp.h>
+
+#include <memory>
+#include <vector>
+
+#include "attention.h"
+#include "elementwise.h"
+#include "linear.h"
+
+namespace tw {
+
+// One matmul's weight: x's dtype or int8 (with per-channel scales), optional bias.
+template <typename T>
+struct StepLinear {
+  const void* w;
+  bool int8;
+  const float* scale;
+  const T* bias;
+  int64_t in, out;
+};
+
+template <typename T>
+struct StepModel {
+  int64_t layers, hidden, inter, heads, kv_heads, head_dim, vocab;
+  float eps;
+  std::vector<const T*> norms;             // 2 per layer (input, post-attention), then final
+  std::vector<StepLinear<T>> linears;      // 4 per layer (qkv, o, gate_up, down), then LM head
+  std::vector<T*> k_caches, v_caches;      // per layer [kv_heads, blocks, block_size, d]
+  int64_t num_blocks, block_size;
+};
+
+inline void split(int64_t n, int tid, int nt, int64_t align, int64_t& b, int64_t& e) {
+  const int64_t units = (n + align - 1) / align;
+  b = std::min(n, units * tid / nt * align);
+  e = std::min(n, units * (tid + 1) / nt * align);
+}
+
+template <typename T>
+inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, float* xf, int tid,
+                        int nt) {
+  int64_t o0, o1;
+  split(L.out, tid, nt, 1, o0, o1);
+  if (L.int8) {
+    to_fp32(xf, x, L.in, rows, L.in);
+    linear_range<int8_t, T>(y, x, L.in, xf, static_cast<const int8_t*>(L.w), L.in, L.out, rows,
+                            L.scale, L.bias, o0, o1);
+    return;
+  }
+  if (!reads_x_directly<T, T>(L.in, L.scale)) to_fp32(xf, x, L.in, rows, L.in);
+  linear_range<T, T>(y, x, L.in, xf, static_cast<const T*>(L.w), L.in, L.out, rows, L.scale,
+                     L.bias, o0, o1);
+}
+
+// x [rows, hidden]: the embeddings in, the residual stream afterwards. logits [rows, vocab].
+template <int ND, typename T>
+void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const int64_t* positions,
+                      const int64_t* slots, const int32_t* table, int64_t table_width,
+                      const int32_t* seq_lens, const int32_t* qstart, const float* cos_t,
+                      const float* sin_t, float attn_scale) {
+  constexpr int D = ND * kLanes;
+  const int64_t H = m.heads, KVH = m.kv_heads, hidden = m.hidden, I = m.inter;
+  const int64_t qkv_out = (H + 2 * KVH) * D, cache_slots = m.num_blocks * m.block_size;
+  const int nt = at::get_num_threads();
+  AttnShape sh{H, KVH, H / KVH, D, m.block_size, m.num_blocks, table_width, qkv_out, H * D,
+               attn_scale};
+  AttnPlan plan(seq_lens, qstart, rows, sh, nt);
+  std::vector<T> h(rows * hidden), qkv(rows * qkv_out), att(rows * H * D), tmp(rows * hidden),
+      gu(rows * 2 * I), act(rows * I);
+  std::unique_ptr<std::atomic<size_t>[]> next(new std::atomic<size_t>[m.layers]);
+  for (int64_t l = 0; l < m.layers; ++l) next[l] = 0;
+  int64_t widest = std::max(hidden, I);
+  for (const auto& L : m.linears) widest = std::max(widest, L.in);
+
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    std::vector<float> xf(rows * widest);
+    thread_local AttnScratch w;
+    w.reserve(D);
+    int64_t r0, r1;
+    split(rows, tid, n, 1, r0, r1);
+    int64_t c0, c1;
+    split(I, tid, n, kLanes, c0, c1);
+    for (int64_t l = 0; l < m.layers; ++l) {
+      const StepLinear<T>* L = &m.linears[4 * l];
+      for (int64_t r = r0; r < r1; ++r)  // layer 0: norm of x; then x += the last output
+        rms_norm_row(h.data() + r * hidden, l == 0 ? x + r * hidden : tmp.data() + r * hidden,
+                     x + r * hidden, m.norms[2 * l], hidden, m.eps, l > 0);
+#pragma omp barrier
+      step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n);
+#pragma omp barrier
+      for (int64_t r = r0; r < r1; ++r)
+        rope_cache_token(qkv.data() + r * qkv_out, positions[r], cos_t, sin_t, m.k_caches[l],
+                         m.v_caches[l], slots[r], H, KVH, D, cache_slots);
+#pragma omp barrier
+      for (size_t i = next[l]++; i < plan.items.size(); i = next[l]++)
+        run_item<ND>(plan, i, att.data(), qkv.data(), m.k_caches[l], m.v_caches[l], table,
+                     seq_lens, qstart, sh, w);
+#pragma omp barrier
+      if (!plan.groups.empty()) {
+        int64_t g0, g1;
+        split(plan.groups.size(), tid, n, 1, g0, g1);
+        for (int64_t g = g0; g < g1; ++g) merge_group<ND>(plan, g, att.data(), qstart, sh);
+#pragma omp barrier
+      }
+      step_linear(L[1], tmp.data(), att.data(), rows, xf.data(), tid, n);
+#pragma omp barrier
+      for (int64_t r = r0; r < r1; ++r)
+        rms_norm_row(h.data() + r * hidden, tmp.data() + r * hidden, x + r * hidden,
+                     m.norms[2 * l + 1], hidden, m.eps, true);
+#pragma omp barrier
+      step_linear(L[2], gu.data(), h.data(), rows, xf.data(), tid, n);
+#pragma omp barrier
+      for (int r = 0; r < rows; ++r)
+        silu_and_mul_row(act.data() + r * I, gu.data() + r * 2 * I, I, c0, c1);
+#pragma omp barrier
+      step_linear(L[3], tmp.data(), act.data(), rows, xf.data(), tid, n);
+#pragma omp barrier
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      rms_norm_row(h.data() + r * hidden, tmp.data() + r * hidden, x + r * hidden,
+                   m.norms[2 * m.layers], hidden, m.eps, true);
+#pragma omp barrier
+    step_linear(m.linears[4 * m.layers], logits, h.data(), rows, xf.data(), tid, n);
+  }
+}
+
+}  // namespace tw
