@@ -1,6 +1,7 @@
 """`tidewire bench offline`: the chat-64 workload through Tidewire's offline LLM and
 through HF transformers `generate` in static batches, side by side in one run, plus
-single-stream decode and a profile of one batched decode step."""
+single-stream decode, a 2,000-token prefill, and (--profile, --plot) where decode steps
+spend their time and throughput against batch size."""
 
 from __future__ import annotations
 
@@ -50,7 +51,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-hf", action="store_true", help="Tidewire only")
     p.add_argument("--skip-throughput", action="store_true",
                    help="only the single-stream decode comparison")
-    p.add_argument("--profile", action="store_true", help="profile one decode step at batch 64")
+    p.add_argument("--profile", action="store_true",
+                   help="split decode steps (batch 64 and 1, context 200) into attention, "
+                        "linears, sampler, scheduler and other")
+    p.add_argument("--profile-long", action="store_true",
+                   help="with --profile, also batch 64 at context 2,000 (prefills 128k "
+                        "tokens first: minutes; sizes the KV pool to fit)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="PNG: output tok/s against batch size (1, 4, 16, 64) for both "
+                        "systems, and the step breakdowns (runs the sweep; matplotlib)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
 
 
@@ -148,40 +158,89 @@ def single_stream(llm: Any, hf: Any, prompt: list[int], n: int, rounds: int = 3)
     return res
 
 
-def profile_decode_step(llm: Any, batch: int = 64, ctx: int = 200) -> dict:
-    """Run `batch` requests to a `ctx`-token context, then profile one decode step."""
-    from torch.profiler import ProfilerActivity, profile
-
+def prefill_ttft(llm: Any, hf: Any, n: int = 2000, rounds: int = 2) -> dict:
+    """Time to the first token of an `n`-token prompt (max_tokens=1), a fresh prompt each
+    round (no prefix-cache hit); HF's forward over the same prompt beside it."""
     from engine import SamplingParams
 
-    eng = llm.engine
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        eng.add(eng.make_request([100 + (i * 7 + j) % 1000 for j in range(ctx)], params, f"prof-{i}"))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
-        eng.step()
-    eng.step()
-    t = time.perf_counter()
-    eng.step()
-    step_ms = 1000 * (time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        eng.step()
-    eng.abort(eng.request_ids())
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
-    totals: dict[str, float] = {}
-    for e in prof.key_averages():
-        totals[e.key] = e.self_cpu_time_total / 1000.0
-    return {"batch": batch, "context": ctx, "step_ms": step_ms, "table": table,
-            "self_ms_by_op": dict(sorted(totals.items(), key=lambda kv: -kv[1])[:14])}
+    vocab = llm.engine.arch.vocab_size
+    n = min(n, llm.engine.max_model_len - 1)
+    res: dict[str, float] = {"prompt_tokens": n}
+    times, hf_times = [], []
+    for r in range(rounds + 1):  # the first round warms up
+        prompt = [100 + (r * 104729 + j * 7919) % (vocab - 100) for j in range(n)]
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+        times.append(time.perf_counter() - t)
+        if hf is not None:
+            ids = torch.tensor([prompt], device=hf.device)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                hf(ids)
+            _sync(hf)
+            hf_times.append(time.perf_counter() - t)
+    res["tidewire_ttft_s"] = statistics.median(times[1:])
+    res["tidewire_prompt_tok_s"] = n / res["tidewire_ttft_s"]
+    if hf_times:
+        res["hf_ttft_s"] = statistics.median(hf_times[1:])
+        res["hf_prompt_tok_s"] = n / res["hf_ttft_s"]
+    return res
+
+
+def sweep_batches(llm: Any, hf: Any, pad: int, sizes: tuple[int, ...], new: int = 32) -> dict:
+    """Output tok/s at each batch size: `b` requests of 64-token prompts and `new` output
+    tokens, through Tidewire and through HF static batching."""
+    from bench.steps import batch_sweep
+
+    vocab = llm.engine.arch.vocab_size
+
+    def work(b: int) -> list[BenchRequest]:
+        return [BenchRequest([100 + (i * 31 + j * 7) % (vocab - 100) for j in range(64)], new)
+                for i in range(b)]
+
+    def tw(b: int) -> float:
+        return run_tidewire(llm, work(b))["output_tok_s"]
+
+    def hf_run(b: int) -> float:
+        return run_hf_static(hf, work(b), b, pad)["output_tok_s"]
+
+    return batch_sweep(tw, hf_run if hf is not None else None, sizes)
+
+
+def _profiles(llm: Any, long: bool) -> list[dict]:
+    """Step breakdowns: batch 64 at context 200 (and 2,000 with --profile-long), batch 1
+    eagerly (its split) and through the compiled step (its cost against the linears)."""
+    from bench.steps import format_breakdown, step_breakdown
+
+    runner = llm.engine.runner
+    out = [step_breakdown(llm, 64, 200)]
+    if long:
+        out.append(step_breakdown(llm, 64, 2000))
+    compiled, runner.cpu_step = runner.cpu_step, None
+    out.append(step_breakdown(llm, 1, 200))
+    runner.cpu_step = compiled
+    if compiled is not None:
+        out.append(step_breakdown(llm, 1, 200))
+    for b in out:
+        print(format_breakdown(b))
+    return out
 
 
 def main(a: argparse.Namespace) -> int:
     from engine import LLM
 
     backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    kv_bytes = int(a.kv_cache_memory_gb * (1 << 30))
+    if a.profile_long:  # 64 sequences of 2,000 tokens and their decodes
+        from engine.loader import resolve_model
+        from engine.model import ModelArch
+
+        arch = ModelArch.from_dir(resolve_model(a.model))
+        kv_bytes = max(kv_bytes, 64 * 2200 * arch.kv_bytes_per_block(1, torch.bfloat16))
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, attention_backend=backend,
-              enforce_eager=a.enforce_eager, quantization=a.quantization, threads=a.threads)
+              enforce_eager=a.enforce_eager, quantization=a.quantization, threads=a.threads,
+              kv_cache_memory=kv_bytes)
     dtype = llm.engine.dtype  # what "auto" resolved to: the baseline runs the same
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     print(f"workload: {len(work)} requests, prompts {min(len(r.prompt_token_ids) for r in work)}-"
@@ -200,11 +259,20 @@ def main(a: argparse.Namespace) -> int:
     ss = single_stream(llm, hf, work[0].prompt_token_ids[:32], a.single_stream_tokens)
     result["single_stream"] = ss
     print("single stream: " + ", ".join(f"{k}={v:.2f}" for k, v in ss.items()))
-    if a.profile:
-        prof = profile_decode_step(llm)
-        print(f"decode step at batch {prof['batch']}, context {prof['context']}: "
-              f"{prof['step_ms']:.1f} ms\n{prof['table']}")
-        result["profile"] = {k: v for k, v in prof.items() if k != "table"}
+    pf = prefill_ttft(llm, hf)
+    result["prefill"] = pf
+    print("prefill: " + ", ".join(f"{k}={v:.2f}" for k, v in pf.items()))
+    breakdowns = _profiles(llm, a.profile_long) if a.profile or a.plot else []
+    result["profile"] = breakdowns
+    if a.plot:
+        pad = llm.engine.arch.eos_token_ids[0] if llm.engine.arch.eos_token_ids else 0
+        sweep = sweep_batches(llm, hf, pad, (1, 4, 16, 64))
+        result["batch_sweep"] = sweep
+        from bench.steps import plot
+
+        plot(a.plot, sweep, breakdowns, f"Tidewire vs HF transformers, {a.model} "
+             f"({llm.engine.dtype_name}{', int8' if a.quantization == 'int8' else ''})")
+        print(f"wrote {a.plot}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=2))

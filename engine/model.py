@@ -108,7 +108,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight.contiguous(), bias
-        self.out_features = weight.shape[0]
+        self.out_features, self.in_features = weight.shape
         self.plain: torch.Tensor | None = None  # kept for linear_small
         packed = _mkldnn_pack(self.weight) if weight.dtype == torch.bfloat16 else None
         if packed is not None:
@@ -120,7 +120,7 @@ class Linear:
             self._op = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and x.shape[0] <= self.small_rows:
+        if self.plain is not None and 0 < x.shape[0] <= self.small_rows:
             return cpu_ops.linear_small(x, self.plain, None, self.bias)
         if self._op is not None:
             return self._op(x, self.weight, self.bias, "none", [], "")
@@ -138,11 +138,11 @@ class Int8Linear:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
         self.q, self.scale, self.bias = q.contiguous(), scale.float().contiguous(), bias
-        self.out_features = q.shape[0]
+        self.out_features, self.in_features = q.shape
         self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.small_rows:
+        if 0 < x.shape[0] <= self.small_rows:  # (0 rows: a prefill chunk that samples none)
             return cpu_ops.linear_small(x, self.q, self.scale, self.bias)
         return self.dense(x)
 

@@ -85,3 +85,25 @@ def test_bench_offline_samples_both_systems_when_asked(tiny_models, tmp_path) ->
     want = sum(r.max_tokens for r in chat64(320, 6, 0))
     assert res["tidewire"]["output_tokens"] == want == res["hf_static"]["output_tokens"]
     assert res["throughput_ratio"] > 0
+
+
+def test_bench_offline_profiles_steps_and_plots_batch_sizes(tiny_models, tmp_path) -> None:
+    # head_dim 32: the compiled ops and the compiled decode step run where a compiler is
+    model = tiny_models("llama", 2, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+    out, png = tmp_path / "offline.json", tmp_path / "offline.png"
+    rc = main(["bench", "offline", "--model", str(model), "--num-requests", "4",
+               "--single-stream-tokens", "4", "--profile", "--plot", str(png),
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert sorted(res["batch_sweep"]["tidewire"]) == ["1", "16", "4", "64"]
+    assert all(v > 0 for v in res["batch_sweep"]["hf"].values())
+    eager = [b for b in res["profile"] if not b["compiled_step"]]
+    assert [(b["batch"], b["context"]) for b in eager] == [(64, 200), (1, 200)]
+    for b in eager:  # the parts add up to the step, none negative
+        parts = (b["attention_ms"] + b["linears_ms"] + b["sampler_ms"] + b["scheduler_ms"]
+                 + b["other_ms"])
+        assert b["attention_ms"] > 0 and b["linears_ms"] > 0 and b["other_ms"] >= 0
+        assert parts == pytest.approx(b["step_ms"], rel=0.05) or parts >= b["step_ms"]
+    assert res["prefill"]["tidewire_prompt_tok_s"] > 0 and res["prefill"]["prompt_tokens"] == 1023

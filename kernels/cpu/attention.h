@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include "linear.h"  // has_bf16_dot
 #include "vec.h"
 
 namespace tw {
@@ -49,8 +50,10 @@ struct AttnShape {
 // Per-thread scratch of one work item.
 struct AttnScratch {
   std::vector<float> q, o, s, kt, v, m, l;
+  std::vector<c10::BFloat16> qb;  // bf16 queries, unscaled (the bf16 dot-product path)
   void reserve(int64_t d) {
     q.resize(kMaxRows * d);
+    qb.resize(kMaxRows * d);
     o.resize(kMaxRows * d);
     s.resize(kMaxRows * kKeyTile);
     kt.resize(d * kKeyTile);
@@ -89,26 +92,101 @@ inline void prefetch_rows(const T* cache, const AttnShape& sh, const int32_t* ta
   for (int64_t pos = kb; pos < ke;) {
     const int64_t off = pos % bs, n = std::min(bs - off, ke - pos);
     const char* p = head + ((int64_t(table[pos / bs]) * bs + off) * d) * int64_t(sizeof(T));
-    for (int64_t b = 0; b < n * d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b);
+    for (int64_t b = 0; b < n * d * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 2);
     pos += n;
   }
 }
 
-// Scores of `rows` query rows against `nk` keys, the hsum way: for a few rows (decode),
-// a dot product per (row, key) costs less than transposing the key tile.
+// Scores of `rows` query rows against `nk` keys, a dot product per (row, key): for a few
+// rows (decodes) that costs less than transposing the key tile. The tile is converted
+// to fp32 once (kf [kKeyTile][D]); each row's dot products go 16 keys at a time into
+// one vector of scores (hsum16).
 template <int ND, typename T>
-inline void scores_by_dot(const float* q, int rows, const T* const* krows, int nk, float* s) {
-  for (int k = 0; k < nk; ++k) {
-    f32x16 kv[ND];
-    for (int j = 0; j < ND; ++j) kv[j] = load16(krows[k] + j * kLanes);
+inline void scores_by_dot(const float* q, int rows, const T* const* krows, int nk, float* kf,
+                          float* s) {
+  constexpr int D = ND * kLanes;
+  for (int k = 0; k < nk; ++k)
+    for (int j = 0; j < ND; ++j) store16(kf + k * D + j * kLanes, load16(krows[k] + j * kLanes));
+  // Keys past nk score whatever the buffer holds (finite): the softmax masks them.
+  for (int k0 = 0; k0 < nk; k0 += kLanes) {
     for (int r = 0; r < rows; ++r) {
-      const float* qr = q + r * ND * kLanes;
-      f32x16 acc = load16(qr) * kv[0];
-      for (int j = 1; j < ND; ++j) acc += load16(qr + j * kLanes) * kv[j];
-      s[r * kKeyTile + k] = hsum(acc);
+      f32x16 qv[ND];
+      for (int j = 0; j < ND; ++j) qv[j] = load16(q + r * D + j * kLanes);
+      f32x16 acc[kLanes];
+      for (int k = 0; k < kLanes; ++k) {
+        const float* kr = kf + (k0 + k) * D;
+        acc[k] = qv[0] * load16(kr);
+        for (int j = 1; j < ND; ++j) acc[k] += qv[j] * load16(kr + j * kLanes);
+      }
+      store16(s + r * kKeyTile + k0, hsum16(acc));
     }
   }
 }
+
+#if defined(__AVX512BF16__)
+// scores_by_dot for bf16 caches on CPUs with AVX512-BF16: pairs of bf16 products summed
+// in fp32 by vdpbf16ps straight from the cache (no conversion of K), then scaled.
+template <int ND>
+inline void scores_by_dot_bf16(const c10::BFloat16* qb, float scale, int rows,
+                               const c10::BFloat16* const* krows, int nk, float* s) {
+  constexpr int D = ND * kLanes, NV = D / 32;
+  for (int k0 = 0; k0 < nk; k0 += kLanes) {
+    const int n = std::min(kLanes, nk - k0);
+    for (int r = 0; r < rows; ++r) {
+      __m512bh qv[NV];
+      for (int j = 0; j < NV; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + r * D + j * 32);
+      f32x16 acc[kLanes];
+      for (int k = 0; k < kLanes; ++k) {
+        const c10::BFloat16* kr = krows[k0 + std::min(k, n - 1)];  // past nk: masked later
+        __m512 a = _mm512_setzero_ps();
+        for (int j = 0; j < NV; ++j)
+          a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(kr + j * 32));
+        acc[k] = (f32x16)a;
+      }
+      store16(s + r * kKeyTile + k0, hsum16(acc) * scale);
+    }
+  }
+}
+
+// scores_by_tile for bf16 caches with AVX512-BF16: the key tile transposed by bf16 pairs
+// (kp[d / 2][kKeyTile] of 32-bit pairs), then each row's pair of query values broadcast
+// against 16 keys' pairs per vdpbf16ps: half the instructions of the fp32 tile.
+template <int ND>
+inline void scores_by_tile_bf16(const c10::BFloat16* qb, float scale, int rows,
+                                const c10::BFloat16* const* krows, int nk, float* buf, float* s) {
+  constexpr int NP = ND * kLanes / 2;
+  uint32_t* kp = reinterpret_cast<uint32_t*>(buf);
+  for (int k = 0; k < nk; ++k) {
+    uint32_t pairs[NP];
+    std::memcpy(pairs, krows[k], sizeof(pairs));
+    for (int i = 0; i < NP; ++i) kp[i * kKeyTile + k] = pairs[i];
+  }
+  for (int k = nk; k < kKeyTile; ++k)
+    for (int i = 0; i < NP; ++i) kp[i * kKeyTile + k] = 0;
+  const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb);
+  auto block = [&](int r, auto rb) {
+    constexpr int RB = decltype(rb)::value;
+    __m512 a[RB][kTileVecs];
+    for (int i = 0; i < RB; ++i)
+      for (int c = 0; c < kTileVecs; ++c) a[i][c] = _mm512_setzero_ps();
+    for (int i = 0; i < NP; ++i) {
+      __m512bh kv[kTileVecs];
+      for (int c = 0; c < kTileVecs; ++c)
+        kv[c] = (__m512bh)_mm512_loadu_si512(kp + i * kKeyTile + c * kLanes);
+      for (int j = 0; j < RB; ++j) {
+        const __m512bh qq = (__m512bh)_mm512_set1_epi32(int(qp[(r + j) * NP + i]));
+        for (int c = 0; c < kTileVecs; ++c) a[j][c] = _mm512_dpbf16_ps(a[j][c], qq, kv[c]);
+      }
+    }
+    for (int j = 0; j < RB; ++j)
+      for (int c = 0; c < kTileVecs; ++c)
+        store16(s + (r + j) * kKeyTile + c * kLanes, (f32x16)a[j][c] * scale);
+  };
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) block(r, std::integral_constant<int, 4>{});
+  for (; r < rows; ++r) block(r, std::integral_constant<int, 1>{});
+}
+#endif
 
 // Scores of many query rows (prefill): the key tile transposed once to kt[d][kKeyTile]
 // in fp32, then four rows at a time against the tile's vectors of keys.
@@ -186,6 +264,52 @@ inline void accumulate_pv(float* o, const float* p, const float* corr, const flo
     for (int j = 0; j < ND; ++j) store16(o + i * D + j * kLanes, acc[i][j]);
 }
 
+#if defined(__AVX512BF16__)
+// The V tile by pairs of keys, vp[k / 2][D] of 32-bit (bf16 V[k][d], V[k + 1][d]) pairs,
+// a missing last key as zeros: what accumulate_pv_bf16 reads.
+template <int ND>
+inline void pair_values(const c10::BFloat16* const* vrows, int nk, uint32_t* vp) {
+  constexpr int D = ND * kLanes;
+  uint16_t zero[D] = {};
+  for (int k = 0; k < nk; k += 2) {
+    const uint16_t* a = reinterpret_cast<const uint16_t*>(vrows[k]);
+    const uint16_t* b = k + 1 < nk ? reinterpret_cast<const uint16_t*>(vrows[k + 1]) : zero;
+    uint32_t* dst = vp + (k / 2) * D;
+    for (int d = 0; d < D; ++d) dst[d] = uint32_t(a[d]) | (uint32_t(b[d]) << 16);
+  }
+}
+
+// accumulate_pv with the probabilities rounded to bf16 (as flash attention does on GPUs)
+// and pairs of keys summed by vdpbf16ps: half the instructions of the fp32 loop.
+template <int ND, int R>
+inline void accumulate_pv_bf16(float* o, const float* p, const float* corr, const uint32_t* vp,
+                               int nk) {
+  constexpr int D = ND * kLanes;
+  alignas(64) uint32_t pb[R][kKeyTile / 2];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < kTileVecs; c += 2) {
+      const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + i * kKeyTile + (c + 1) * kLanes),
+                                             _mm512_loadu_ps(p + i * kKeyTile + c * kLanes));
+      _mm512_storeu_si512(pb[i] + c * kLanes / 2, (__m512i)x);
+    }
+  __m512 acc[R][ND];
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int k2 = 0; k2 < (nk + 1) / 2; ++k2) {
+    __m512bh vv[ND];
+    for (int j = 0; j < ND; ++j) vv[j] = (__m512bh)_mm512_loadu_si512(vp + k2 * D + j * kLanes);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pb[i][k2]));
+      for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], pp, vv[j]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < ND; ++j)
+      store16(o + i * D + j * kLanes,
+              load16(o + i * D + j * kLanes) * corr[i] + (f32x16)acc[i][j]);
+}
+#endif
+
 // One work item: rows = (token, group head) pairs, keys [key_begin, key_end) of the
 // sequence's context, causal. Leaves o (unnormalized) and m, l (running max, denominator).
 template <int ND, typename T>
@@ -207,6 +331,13 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
         store16(w.q.data() + (t * G + g) * D + j * kLanes,
                 load16(src + g * D + j * kLanes) * sh.scale);
   }
+  constexpr bool bf16_dot = has_bf16_dot() && std::is_same_v<T, c10::BFloat16> && ND % 2 == 0;
+  if constexpr (bf16_dot) {
+    for (int64_t t = 0; t < ntok; ++t)
+        std::memcpy(w.qb.data() + t * G * D,
+                    q + (q_row0 + it.tok_begin + t) * sh.q_stride + it.kv_head * G * D,
+                    G * D * sizeof(T));
+  }
   std::fill(w.o.begin(), w.o.begin() + rows * D, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
   std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
@@ -223,13 +354,32 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
     kv_rows(kc, sh, table, it.kv_head, kb, nk, krows);
     kv_rows(vc, sh, table, it.kv_head, kb, nk, vrows);
     float* s = w.s.data();
-    if (rows < 8)
-      scores_by_dot<ND>(w.q.data(), rows, krows, nk, s);
-    else
-      scores_by_tile<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
-    for (int k = 0; k < nk; ++k)
-      for (int j = 0; j < ND; ++j)
-        store16(w.v.data() + k * D + j * kLanes, load16(vrows[k] + j * kLanes));
+    if (rows < 8) {
+#if defined(__AVX512BF16__)
+      if constexpr (bf16_dot)
+        scores_by_dot_bf16<ND>(w.qb.data(), sh.scale, rows, krows, nk, s);
+      else
+#endif
+        scores_by_dot<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
+    } else {
+#if defined(__AVX512BF16__)
+      if constexpr (bf16_dot)
+        scores_by_tile_bf16<ND>(w.qb.data(), sh.scale, rows, krows, nk, w.kt.data(), s);
+      else
+#endif
+        scores_by_tile<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
+    }
+    bool paired = false;
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_dot) {  // (kKeyTile even: the pairs never straddle tiles)
+      pair_values<ND>(vrows, nk, reinterpret_cast<uint32_t*>(w.v.data()));
+      paired = true;
+    }
+#endif
+    if (!paired)
+      for (int k = 0; k < nk; ++k)
+        for (int j = 0; j < ND; ++j)
+          store16(w.v.data() + k * D + j * kLanes, load16(vrows[k] + j * kLanes));
     for (int r = 0; r < rows; ++r) {
       const int64_t seen = std::min<int64_t>(nk, pos0 + r / G - kb + 1);  // causal
       if (seen <= 0) {  // nothing visible in this tile: p = 0, the output stays
@@ -240,6 +390,16 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
       }
     }
     int r = 0;
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_dot) {
+      const uint32_t* vp = reinterpret_cast<const uint32_t*>(w.v.data());
+      for (; r + 2 <= rows; r += 2)
+        accumulate_pv_bf16<ND, 2>(w.o.data() + r * D, s + r * kKeyTile, corr + r, vp, nk);
+      if (r < rows)
+        accumulate_pv_bf16<ND, 1>(w.o.data() + r * D, s + r * kKeyTile, corr + r, vp, nk);
+      continue;
+    }
+#endif
     for (; r + 2 <= rows; r += 2)
       accumulate_pv<ND, 2>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
     if (r < rows)
@@ -328,6 +488,36 @@ void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const T* kc, const T
   }
 }
 
+// The first key tile of item i, asked for ahead (while the thread finishes another item).
+template <typename T>
+inline void prefetch_item(const AttnPlan& plan, size_t i, const T* kc, const T* vc,
+                          const int32_t* table, const int32_t* seq_lens, const int32_t* qstart,
+                          const AttnShape& sh) {
+  if (i >= plan.items.size()) return;
+  const AttnItem& it = plan.items[i];
+  const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
+  const int64_t last = std::min<int64_t>(it.key_end, ctx - q_len + it.tok_end);
+  const int64_t end = std::min<int64_t>(last, it.key_begin + kKeyTile);
+  const int32_t* row = table + it.seq * sh.max_blocks;
+  prefetch_rows(kc, sh, row, it.kv_head, it.key_begin, end);
+  prefetch_rows(vc, sh, row, it.kv_head, it.key_begin, end);
+}
+
+// Items of the plan taken in turn from `next` by the calling thread; the next one's
+// first tile is fetched while the current one computes.
+template <int ND, typename T>
+void run_items(AttnPlan& plan, std::atomic<size_t>& next, T* out, const T* q, const T* kc,
+               const T* vc, const int32_t* table, const int32_t* seq_lens,
+               const int32_t* qstart, const AttnShape& sh, AttnScratch& w) {
+  size_t cur = next++;
+  while (cur < plan.items.size()) {
+    const size_t upcoming = next++;
+    prefetch_item(plan, upcoming, kc, vc, table, seq_lens, qstart, sh);
+    run_item<ND>(plan, cur, out, q, kc, vc, table, seq_lens, qstart, sh, w);
+    cur = upcoming;
+  }
+}
+
 // Group g of split parts: their outputs merged exactly by log-sum-exp into `out`.
 template <int ND, typename T>
 void merge_group(const AttnPlan& plan, size_t g, T* out, const int32_t* qstart,
@@ -365,8 +555,7 @@ void paged_attention_impl(T* out, const T* q, const T* kc, const T* vc, const in
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local AttnScratch w;
     w.reserve(sh.head_dim);
-    for (size_t i = next++; i < plan.items.size(); i = next++)
-      run_item<ND>(plan, i, out, q, kc, vc, table, seq_lens, qstart, sh, w);
+    run_items<ND>(plan, next, out, q, kc, vc, table, seq_lens, qstart, sh, w);
   });
   for (size_t g = 0; g < plan.groups.size(); ++g) merge_group<ND>(plan, g, out, qstart, sh);
 }

@@ -101,9 +101,8 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const in
         rope_cache_token(qkv.data() + r * qkv_out, positions[r], cos_t, sin_t, m.k_caches[l],
                          m.v_caches[l], slots[r], H, KVH, D, cache_slots);
 #pragma omp barrier
-      for (size_t i = next[l]++; i < plan.items.size(); i = next[l]++)
-        run_item<ND>(plan, i, att.data(), qkv.data(), m.k_caches[l], m.v_caches[l], table,
-                     seq_lens, qstart, sh, w);
+      run_items<ND>(plan, next[l], att.data(), qkv.data(), m.k_caches[l], m.v_caches[l], table,
+                    seq_lens, qstart, sh, w);
 #pragma omp barrier
       if (!plan.groups.empty()) {
         int64_t g0, g1;
