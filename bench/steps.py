@@ -44,7 +44,9 @@ def fill_batch(llm: Any, batch: int, ctx: int, tag: str) -> None:
 
     eng = llm.engine
     vocab = eng.arch.vocab_size
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)  # > the steps run
+    # long enough that the first admitted outlive the others' prefill and the measured steps
+    params = SamplingParams(max_tokens=min(4096, eng.max_model_len - ctx - 1), temperature=0.0,
+                            ignore_eos=True)
     for i in range(batch):
         prompt = [100 + (i * 7919 + j * 31) % (vocab - 100) for j in range(ctx)]
         eng.add(eng.make_request(prompt, params, f"{tag}-{i}"))
@@ -71,11 +73,11 @@ def linears_alone_ms(llm: Any, batch: int, rounds: int = 5) -> float:
 
 
 def step_breakdown(llm: Any, batch: int, ctx: int, rounds: int = 5) -> dict[str, Any]:
-    """Median wall time of a decode step at `batch` x `ctx`, split into scheduler,
-    sampler, model (from wrappers on the engine's own objects), and within the model
-    attention and linears (op self-times of one profiled step; the compiled small-batch
-    step is one op, so its split is shown by an eager step and its cost against the
-    linears alone)."""
+    """Median wall time of a decode step at `batch` x `ctx`, split into scheduler and
+    sampler (wrappers on the engine's own objects), attention and linears (their ops'
+    shares of one profiled step's wall time, applied to the median) and the rest. The
+    compiled small-batch step is one op: its split is shown by an eager step, its cost
+    against the linears alone."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = llm.engine
@@ -99,22 +101,30 @@ def step_breakdown(llm: Any, batch: int, ctx: int, rounds: int = 5) -> dict[str,
         for w in reversed(wraps):
             w.__exit__()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
         eng.step()
+        profiled = time.perf_counter() - t
+    running = len(eng.scheduler.running)
     eng.abort(eng.request_ids())
     ms = {k: 1000 * v / rounds for k, v in totals.items()}
     self_ms: dict[str, float] = {}
     for e in prof.key_averages():
         self_ms[e.key] = e.self_cpu_time_total / 1000.0
     compiled = "tidewire::decode_step" in self_ms
-    out: dict[str, Any] = {"batch": batch, "context": ctx, "step_ms": 1000 * statistics.median(steps),
+    out: dict[str, Any] = {"batch": batch, "context": ctx, "running": running,
+                           "step_ms": 1000 * statistics.median(steps),
                            "compiled_step": compiled, "scheduler_ms": ms["scheduler"],
                            "sampler_ms": ms["sampler"], "model_ms": ms["model"]}
-    if not compiled:
-        out["attention_ms"] = sum(self_ms.get(k, 0.0) for k in ATTENTION_OPS)
-        out["linears_ms"] = sum(self_ms.get(k, 0.0) for k in LINEAR_OPS)
-        out["other_ms"] = max(0.0, out["step_ms"] - out["attention_ms"] - out["linears_ms"]
-                              - out["sampler_ms"] - out["scheduler_ms"])
-        out["attention_share"] = out["attention_ms"] / out["step_ms"]
+    if not compiled:  # the profiled step's op times, as shares of that step's wall time
+        prof_ms = 1000 * profiled
+        out["profiled_step_ms"] = prof_ms
+        out["attention_share"] = sum(self_ms.get(k, 0.0) for k in ATTENTION_OPS) / prof_ms
+        out["linears_share"] = sum(self_ms.get(k, 0.0) for k in LINEAR_OPS) / prof_ms
+        rest = 1 - (out["sampler_ms"] + out["scheduler_ms"]) / out["step_ms"]
+        out["attention_ms"] = out["attention_share"] * out["step_ms"]
+        out["linears_ms"] = out["linears_share"] * out["step_ms"]
+        out["other_ms"] = max(0.0, rest * out["step_ms"] - out["attention_ms"]
+                              - out["linears_ms"])
     out["linears_alone_ms"] = linears_alone_ms(llm, batch)
     out["step_over_linears"] = out["step_ms"] / out["linears_alone_ms"]
     out["top_ops"] = dict(sorted(self_ms.items(), key=lambda kv: -kv[1])[:8])
@@ -171,7 +181,8 @@ def plot(path: Any, sweep: dict[str, dict[int, float]], breakdowns: list[dict[st
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend()
     phases = ("attention", "linears", "model", "sampler", "scheduler", "other")
-    labels = [f"b{b['batch']} ctx{b['context']}" for b in breakdowns]
+    labels = [f"b{b['batch']} ctx{b['context']}{' compiled' if b['compiled_step'] else ''}"
+              for b in breakdowns]
     bottom = [0.0] * len(breakdowns)
     for ph in phases:
         vals = [b.get(f"{ph}_ms", 0.0) if (ph != "model" or b["compiled_step"]) else 0.0

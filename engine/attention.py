@@ -165,7 +165,8 @@ class CpuAttention(AttentionBackend):
         head_dim)."""
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
         if compiled is None:
-            compiled = head_dim in PAGED_HEAD_DIMS and cpu_ops.available()
+            compiled = (head_dim in PAGED_HEAD_DIMS and dtype in (torch.float32, torch.bfloat16)
+                        and cpu_ops.available())
         self.compiled = compiled
         # Gather buffers reused by every layer and step: a fresh multi-MB tensor per
         # gather costs page faults that take longer than the copy itself.

@@ -105,8 +105,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, token_ids: list[int], positions: list[int], slots: list[int],
             block_ids: list[list[int]]) -> torch.Tensor:
-        """One decode per sequence (context = position + 1): logits [n, vocab] fp32, a
-        view into the graph's output, valid until the next replay."""
+        """One decode per sequence (context = position + 1): logits [n, vocab] in the
+        model's dtype, a view into the graph's output, valid until the next replay."""
         n = len(token_ids)
         b = next(s for s in self.sizes if s >= n)
         if self._copied is not None:

@@ -100,8 +100,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.monotonic()
-        # on the thread that runs every op of this engine (OpenMP's setting is per thread)
-        torch.set_num_threads(config.threads or physical_cores())
+        # on the thread that runs every op of this engine (OpenMP's setting is per thread);
+        # 0 keeps an OMP_NUM_THREADS the user set, else one thread per physical core
+        if config.threads or "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(config.threads or physical_cores())
         self.model_dir: Path = resolve_model(config.model)
         self.arch = ModelArch.from_dir(self.model_dir)
         self.tokenizer: Any = load_tokenizer(self.model_dir)
@@ -145,7 +147,10 @@ class LLMEngine:
         assert tier is not None
         a = self.arch
         self.kv_fingerprint = kv_fingerprint(
-            a.model_type, weights_checksum(self.model_dir), str(self.dtype).removeprefix("torch."),
+            a.model_type, weights_checksum(self.model_dir),
+            # int8 weights compute other K/V than the same model's bf16 ones
+            str(self.dtype).removeprefix("torch.") + ("" if self.config.quantization == "none"
+                                                      else f"+w{self.config.quantization}"),
             self.config.cache.block_size, a.num_layers, a.num_kv_heads, a.head_dim)
         return KVOffload(tier, tc, self.kv, self.runner, self.kv_fingerprint)
 

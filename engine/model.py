@@ -106,13 +106,16 @@ class Linear:
     # over W at memory speed; oneDNN reached ~70% of it at 1-4 rows here).
     small_rows = 4
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 small_rows: bool = True) -> None:
+        """`small_rows`: keep the plain weight for 1-4 row batches (False: the caller
+        never sends so few rows)."""
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features, self.in_features = weight.shape
         self.plain: torch.Tensor | None = None  # kept for linear_small
         packed = _mkldnn_pack(self.weight) if weight.dtype == torch.bfloat16 else None
         if packed is not None:
-            if weight.shape[1] % 32 == 0 and cpu_ops.available():
+            if small_rows and weight.shape[1] % 32 == 0 and cpu_ops.available():
                 self.plain = self.weight
             self.weight = packed  # the packed copy replaces the plain one
             self._op = _PACKED_LINEAR  # resolved once: torch.ops lookups cost µs per call
@@ -139,7 +142,8 @@ class Int8Linear:
                  dtype: torch.dtype) -> None:
         self.q, self.scale, self.bias = q.contiguous(), scale.float().contiguous(), bias
         self.out_features, self.in_features = q.shape
-        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias)
+        # (no plain copy: up to small_rows rows never reach it)
+        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias, small_rows=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if 0 < x.shape[0] <= self.small_rows:  # (0 rows: a prefill chunk that samples none)
@@ -185,9 +189,11 @@ class LlamaModel:
         tied = arch.tie_word_embeddings or "lm_head.weight" not in weights
         self._int8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if quantization == "int8":
-            if not getattr(attn, "compiled", False) or arch.hidden_size % 16:
+            dims = (arch.hidden_size, arch.intermediate_size, arch.num_heads * arch.head_dim)
+            if not getattr(attn, "compiled", False) or any(n % 16 for n in dims):
                 raise ValueError("int8 quantization needs the cpu attention backend with its "
-                                 "compiled kernels (a C++ compiler) and hidden_size % 16 == 0")
+                                 "compiled kernels (a C++ compiler), and hidden size, "
+                                 "intermediate size and heads x head_dim multiples of 16")
             src = dict(weights)
             if tied:  # the LM head is a quantized copy of the (kept) embedding table
                 src["lm_head.weight"] = weights["model.embed_tokens.weight"]
@@ -201,6 +207,7 @@ class LlamaModel:
             w["lm_head.weight"] = self.embed
         self.lm_head = self._linear(w, ["lm_head.weight"])
         self.layers = [self._layer(w, i) for i in range(arch.num_layers)]
+        self._int8 = {}  # the Int8Linears hold what they need
         cos, sin = ref.rope_cos_sin(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
         self.cos, self.sin = cos.to(attn.device), sin.to(attn.device)
@@ -222,6 +229,8 @@ class LlamaModel:
         """One matmul over the named weights stacked by rows (q/k/v, gate/up)."""
         if self._int8:
             parts = [self._int8[n] for n in names]
+            if len(parts) == 1:
+                return Int8Linear(*parts[0], bias, self.dtype)
             return Int8Linear(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]),
                               bias, self.dtype)
         return Linear(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]], bias)

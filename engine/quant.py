@@ -9,6 +9,8 @@ Quantized weights are cached next to the converted model, keyed by its checksum.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -44,7 +46,11 @@ def quantized(weights: dict[str, torch.Tensor], names: list[str],
     """(q, scale) of each named weight, from `cache_file` when it holds them, else
     computed and written there."""
     if cache_file is not None and cache_file.exists():
-        stored = load_file(str(cache_file))
+        try:
+            stored = load_file(str(cache_file))
+        except Exception as e:  # a damaged file is a miss: quantize again and rewrite it
+            log.warning("ignoring the int8 cache %s (%s)", cache_file, e)
+            stored = {}
         if all(f"{n}.q" in stored for n in names):
             return {n: (stored[f"{n}.q"], stored[f"{n}.scale"]) for n in names}
     t0 = time.monotonic()
@@ -52,7 +58,7 @@ def quantized(weights: dict[str, torch.Tensor], names: list[str],
     log.info("quantized %d weights to int8 in %.1fs", len(names), time.monotonic() - t0)
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(".tmp")
+        tmp = cache_file.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         save_file({f"{n}.{k}": t for n, (q, s) in out.items()
                    for k, t in (("q", q), ("scale", s))}, str(tmp))
         tmp.replace(cache_file)

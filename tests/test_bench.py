@@ -105,5 +105,6 @@ def test_bench_offline_profiles_steps_and_plots_batch_sizes(tiny_models, tmp_pat
         parts = (b["attention_ms"] + b["linears_ms"] + b["sampler_ms"] + b["scheduler_ms"]
                  + b["other_ms"])
         assert b["attention_ms"] > 0 and b["linears_ms"] > 0 and b["other_ms"] >= 0
+        assert b["running"] == b["batch"]  # nobody finished before the measured steps
         assert parts == pytest.approx(b["step_ms"], rel=0.05) or parts >= b["step_ms"]
     assert res["prefill"]["tidewire_prompt_tok_s"] > 0 and res["prefill"]["prompt_tokens"] == 1023

@@ -24,6 +24,10 @@ MODELS = {
     "llama-mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
     # head_dim 32: the compiled CPU path's fused rope + cache write, norms and SiLU run too
     "llama-fused": ("llama", dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=1)),
+    "llama-fused-tied": ("llama", dict(hidden_size=96, num_attention_heads=3, num_key_value_heads=1,
+                                       tie_word_embeddings=True)),
+    "qwen2-fused-bias": ("qwen2", dict(hidden_size=64, num_attention_heads=2,
+                                       num_key_value_heads=1)),
     "qwen2-bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=1)),
     "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2,
                                 sliding_window=512)),
@@ -192,7 +196,8 @@ def test_auto_dtype_follows_the_cpu(tiny_models) -> None:
     assert str(llm.engine.dtype) == f"torch.{fast_dtype('cpu')}"
 
 
-def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path) -> None:
+@pytest.mark.parametrize("model", ["llama-gqa", "llama-fused", "qwen2-fused-bias"])
+def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model) -> None:
     """Weight-only int8: greedy tokens equal HF transformers running the dequantized
     weights in fp32, through the compiled decode step, the eager int8 kernel (<= 4 rows)
     and the dense path (prefill chunks, 6-row eager decodes) alike; the quantized weights
@@ -205,7 +210,8 @@ def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path) -> No
 
     if not cpu_ops.available():
         pytest.skip("no C++ compiler: int8 needs the compiled CPU kernels")
-    src = tiny_models("llama", 5, num_attention_heads=4, num_key_value_heads=2)
+    arch, cfg = MODELS[model]
+    src = tiny_models(arch, 5, **cfg)
     ref_dir = tmp_path / "dequantized"
     shutil.copytree(src, ref_dir)
     weights = load_file(str(src / "model.safetensors"))
@@ -239,3 +245,28 @@ def test_compiled_cpu_decode_step_is_exact_and_falls_back_past_eight_sequences(t
     eager = LLM(model=str(path), dtype="float32", enforce_eager=True)
     assert eager.engine.runner.cpu_step is None
     assert [o.token_ids for o in eager.generate(prompts[:5], GREEDY)] == want[:5]
+
+
+def test_compiled_decode_step_splits_a_long_context_and_merges_it_exactly(tiny_models) -> None:
+    """One sequence past 1,024 tokens: too few work items for the threads, so the
+    compiled step splits its context into parts and merges them by log-sum-exp."""
+    path = tiny_models("llama", 4, hidden_size=96, num_attention_heads=3, num_key_value_heads=1,
+                       max_position_embeddings=2048)
+    llm = LLM(model=str(path), dtype="float32", debug=True)
+    if llm.engine.runner.cpu_step is None:
+        pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
+    prompt = random_prompts(1, 1500, 1500, 320, seed=41)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompt, params)] == hf_greedy(path, prompt, 6)
+    assert llm.engine.runner.cpu_step.steps == 5
+
+
+def test_compiled_decode_step_in_bf16_agrees_with_the_eager_engine(tiny_models) -> None:
+    path = tiny_models("llama", 2, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+    prompts = random_prompts(4, 5, 40, 320, seed=43)
+    outs = {}
+    for eager in (False, True):
+        llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=eager)
+        outs[eager] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    same = sum(a == b for x, y in zip(outs[False], outs[True]) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(len(x) for x in outs[True])  # bf16: rounding may differ late

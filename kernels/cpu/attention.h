@@ -418,7 +418,7 @@ inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* 
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = qstart[s + 1] - qstart[s], ctx = seq_lens[s];
     int64_t parts = 1;
-    if (q_len <= tok_tile && base < 4 * threads && ctx >= 2 * kPartTokens)
+    if (q_len > 0 && q_len <= tok_tile && base < 4 * threads && ctx >= 2 * kPartTokens)
       parts = std::min<int64_t>((ctx + kPartTokens - 1) / kPartTokens,
                                 (4 * threads + base - 1) / base);
     const int64_t span = (ctx + parts - 1) / parts;

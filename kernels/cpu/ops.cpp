@@ -59,6 +59,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
         "block_table, seq_lens and query_start must be contiguous int32");
   check(query_start.size(0) == seq_lens.size(0) + 1 && block_table.size(0) >= seq_lens.size(0),
         "query_start must have num_seqs + 1 entries, block_table num_seqs rows");
+  {
+    const int32_t* qs = query_start.const_data_ptr<int32_t>();
+    const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
+    check(qs[0] == 0 && qs[seq_lens.size(0)] == q.size(0), "query_start must run 0..num_tokens");
+    for (int64_t s = 0; s < seq_lens.size(0); ++s)
+      check(qs[s + 1] >= qs[s] && sl[s] >= qs[s + 1] - qs[s] &&
+                (sl[s] + k_cache.size(2) - 1) / k_cache.size(2) <= block_table.size(1),
+            "each sequence's context must hold its queries and fit its block-table row");
+  }
   const int64_t heads = q.size(1), kvh = k_cache.size(0), d = q.size(2);
   check(k_cache.size(3) == d && heads % kvh == 0, "head_dim or GQA group mismatch");
   AttnShape sh{heads, kvh, heads / kvh, d, k_cache.size(2), k_cache.size(1),
@@ -241,6 +250,20 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
     m.v_caches.push_back(v_caches[l].data_ptr<T>());
   }
   const int64_t d = m.head_dim;
+  check(num_heads % m.kv_heads == 0 && num_heads / m.kv_heads <= kMaxRows,
+        "decode_step: heads must be a multiple of kv_heads, at most 64 per group");
+  for (int64_t l = 0; l <= layers; ++l) {  // every layer like layer 0; bias and scale sizes
+    for (int64_t j = 0; j < (l < layers ? 4 : 1); ++j) {
+      const at::Tensor& w = linears[4 * l + j];
+      const at::Tensor& w0 = linears[l < layers ? j : 4 * layers];
+      const c10::optional<at::Tensor> sc = scales.get(4 * l + j), b = biases.get(4 * l + j);
+      check(w.sizes() == w0.sizes() && (!sc || sc->numel() == w.size(0)) &&
+                (!b || (b->numel() == w.size(0) && b->is_contiguous() &&
+                        b->scalar_type() == k0.scalar_type())) &&
+                (!sc || (sc->is_contiguous() && sc->scalar_type() == at::kFloat)),
+            "decode_step: every layer's weights shaped like layer 0's, [out] biases and scales");
+    }
+  }
   check(linears[0].size(0) == (num_heads + 2 * m.kv_heads) * d && linears[0].size(1) == m.hidden &&
             linears[1].size(1) == num_heads * d && linears[2].size(0) == 2 * m.inter &&
             d % (2 * kLanes) == 0 && m.hidden % kLanes == 0 && m.inter % kLanes == 0,
@@ -289,17 +312,27 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
             query_start.scalar_type() == at::kInt && block_table.is_contiguous() &&
             seq_lens.size(0) == rows && query_start.size(0) == rows + 1,
         "decode_step: int64 positions and slots, int32 block table, seq_lens, query_start");
-  check(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous(),
+  check(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+            sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.sizes() == sin.sizes(),
         "decode_step: fp32 cos/sin tables");
+  check(positions.is_contiguous() && slot_mapping.is_contiguous() && seq_lens.is_contiguous() &&
+            query_start.is_contiguous() && positions.size(0) == rows &&
+            slot_mapping.size(0) == rows && block_table.size(0) >= rows,
+        "decode_step: contiguous positions, slots (one per row), seq_lens, query_start");
+  const int32_t* qs = query_start.const_data_ptr<int32_t>();
+  for (int64_t r = 0; r <= rows; ++r)
+    check(qs[r] == r, "decode_step: one query token per sequence (query_start = 0..n)");
   if (x.scalar_type() == at::kFloat) {
     auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps);
-    check(logits.size(1) == m.vocab, "decode_step: logits width");
+    check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
+          "decode_step: logits, x or rope table width");
     decode_step_typed<float>(logits, x, positions, slot_mapping, block_table, seq_lens,
                              query_start, cos, sin, m, scale);
   } else if (x.scalar_type() == at::kBFloat16) {
     auto m = step_model<c10::BFloat16>(norms, linears, scales, biases, k_caches, v_caches,
                                        num_heads, eps);
-    check(logits.size(1) == m.vocab, "decode_step: logits width");
+    check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
+          "decode_step: logits, x or rope table width");
     decode_step_typed<c10::BFloat16>(logits, x, positions, slot_mapping, block_table, seq_lens,
                                      query_start, cos, sin, m, scale);
   } else {
