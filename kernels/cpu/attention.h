@@ -34,7 +34,8 @@ namespace tw {
 constexpr int kKeyTile = 64;        // keys per tile
 constexpr int kTileVecs = kKeyTile / kLanes;
 constexpr int kMaxRows = 64;        // query rows (tokens x group heads) per work item
-constexpr int kPartTokens = 512;    // context tokens per part when a context is split
+constexpr int kPartTokens = 512;
+constexpr int kAheadTiles = 4;      // key tiles of the next work item fetched ahead    // context tokens per part when a context is split
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct AttnItem {
@@ -488,7 +489,7 @@ void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const T* kc, const T
   }
 }
 
-// The first key tile of item i, asked for ahead (while the thread finishes another item).
+// The first key tiles of item i, asked for ahead (while the thread finishes another item).
 template <typename T>
 inline void prefetch_item(const AttnPlan& plan, size_t i, const T* kc, const T* vc,
                           const int32_t* table, const int32_t* seq_lens, const int32_t* qstart,
@@ -497,7 +498,7 @@ inline void prefetch_item(const AttnPlan& plan, size_t i, const T* kc, const T* 
   const AttnItem& it = plan.items[i];
   const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
   const int64_t last = std::min<int64_t>(it.key_end, ctx - q_len + it.tok_end);
-  const int64_t end = std::min<int64_t>(last, it.key_begin + kKeyTile);
+  const int64_t end = std::min<int64_t>(last, it.key_begin + kAheadTiles * kKeyTile);
   const int32_t* row = table + it.seq * sh.max_blocks;
   prefetch_rows(kc, sh, row, it.kv_head, it.key_begin, end);
   prefetch_rows(vc, sh, row, it.kv_head, it.key_begin, end);
