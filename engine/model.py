@@ -107,15 +107,15 @@ class Linear:
     small_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 small_rows: bool = True) -> None:
-        """`small_rows`: keep the plain weight for 1-4 row batches (False: the caller
-        never sends so few rows)."""
+                 keep_plain: bool = True) -> None:
+        """`keep_plain`: keep the plain weight for batches of up to `small_rows` rows
+        (False: the caller never sends so few)."""
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features, self.in_features = weight.shape
         self.plain: torch.Tensor | None = None  # kept for linear_small
         packed = _mkldnn_pack(self.weight) if weight.dtype == torch.bfloat16 else None
         if packed is not None:
-            if small_rows and weight.shape[1] % 32 == 0 and cpu_ops.available():
+            if keep_plain and weight.shape[1] % 32 == 0 and cpu_ops.available():
                 self.plain = self.weight
             self.weight = packed  # the packed copy replaces the plain one
             self._op = _PACKED_LINEAR  # resolved once: torch.ops lookups cost µs per call
@@ -123,11 +123,17 @@ class Linear:
             self._op = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.plain is not None and 0 < x.shape[0] <= self.small_rows:
+        if self.plain is not None and _few_rows(x, self.small_rows):
             return cpu_ops.linear_small(x, self.plain, None, self.bias)
         if self._op is not None:
             return self._op(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def _few_rows(x: torch.Tensor, limit: int) -> bool:
+    """Whether x goes to the small-batch kernel (0 rows, e.g. the LM head of a prefill
+    chunk that samples none, goes to the dense path, which takes them)."""
+    return 0 < x.shape[0] <= limit
 
 
 class Int8Linear:
@@ -142,11 +148,11 @@ class Int8Linear:
                  dtype: torch.dtype) -> None:
         self.q, self.scale, self.bias = q.contiguous(), scale.float().contiguous(), bias
         self.out_features, self.in_features = q.shape
-        # (no plain copy: up to small_rows rows never reach it)
-        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias, small_rows=False)
+        # (no plain copy: batches of up to small_rows rows never reach it)
+        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias, keep_plain=False)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] <= self.small_rows:  # (0 rows: a prefill chunk that samples none)
+        if _few_rows(x, self.small_rows):
             return cpu_ops.linear_small(x, self.q, self.scale, self.bias)
         return self.dense(x)
 
