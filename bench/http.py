@@ -47,12 +47,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the model name sent in requests (default: the first id from "
                         "GET {base}/models)")
     p.add_argument("--vocab-size", type=int, default=49152,
-                   help="prompt token ids are drawn below this (default: SmolLM2's)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+                   help="prompt token ids are drawn below this; the default is SmolLM2's "
+                        "vocabulary size")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests sent at once (other values change chat-64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload")
     p.add_argument("--output-range", type=int, nargs=2, default=(16, 256), metavar=("LO", "HI"),
-                   help="max_tokens drawn from LO..HI (default 16 256, chat-64's; other "
-                        "values change the workload)")
+                   help="max_tokens drawn from LO..HI; the default is chat-64's, other "
+                        "values change the workload")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "none"),
                    help="sent as a Bearer token (default: $OPENAI_API_KEY, else 'none')")
     p.add_argument("--timeout", type=float, default=600.0,

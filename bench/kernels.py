@@ -18,9 +18,11 @@ import torch
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                   help="dtype of q, K, V and the output")
+    p.add_argument("--repeats", type=int, default=20,
+                   help="CUDA-event timings per kernel (the median is reported)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:

@@ -20,8 +20,10 @@ from bench.workloads import BenchRequest, chat64
 def add_sampling_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help=f"sample {what} (0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: sample within this probability mass (1: all)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens (0: all)")
 
 
 def sampling_args(a: argparse.Namespace) -> dict[str, Any]:
@@ -30,8 +32,11 @@ def sampling_args(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registry name, HF model directory or .gguf file (see `tidewire models`)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="both systems' weights (auto: bfloat16 on a GPU or a CPU with "
+                        "AVX512-BF16/AMX, else float32)")
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda where a GPU is present, else cpu; the HF baseline "
                         "runs on the same device")
@@ -41,12 +46,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Tidewire's weights (the HF baseline stays in --dtype)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for both systems (0: one per physical core)")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--hf-batch-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--single-stream-tokens", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests in the chat-64 workload (other values change it)")
+    p.add_argument("--hf-batch-size", type=int, default=16,
+                   help="the HF baseline's static batch size")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="Tidewire: sequences one engine step may batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="Tidewire: tokens one engine step may process")
+    p.add_argument("--single-stream-tokens", type=int, default=128,
+                   help="decode steps timed in the batch-1 comparison")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and lengths")
     add_sampling_args(p, "the throughput run's tokens, in both systems")
     p.add_argument("--skip-hf", action="store_true", help="Tidewire only")
     p.add_argument("--skip-throughput", action="store_true",
@@ -60,7 +70,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG: output tok/s against batch size (1, 4, 16, 64) for both "
                         "systems, and the step breakdowns (runs the sweep; matplotlib)")
-    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="GiB for Tidewire's KV block pool (--profile-long raises it to fit)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
 
 

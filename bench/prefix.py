@@ -29,22 +29,29 @@ from bench.ws import free_port
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registry name, HF model directory or .gguf file (see `tidewire models`)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32")
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda when a GPU is present")
-    p.add_argument("--prefix-tokens", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefix-tokens", type=int, default=2000,
+                   help="length of the shared prompt prefix")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="TTFT measurements per case (the median is reported)")
     p.add_argument("--redis-url", default=None, help="default: start a private redis-server")
-    p.add_argument("--overhead-requests", type=int, default=32)
-    p.add_argument("--overhead-rounds", type=int, default=3)
+    p.add_argument("--overhead-requests", type=int, default=32,
+                   help="chat-64 requests per round of the no-hit overhead run")
+    p.add_argument("--overhead-rounds", type=int, default=3,
+                   help="rounds of the overhead run, tier settings in rotating order (the "
+                        "median is reported)")
     p.add_argument("--overhead-kv-blocks", type=int, default=None,
                    help="device KV blocks of the overhead engines (default: by memory)")
     p.add_argument("--overhead-kinds", default="none,memory,redis,redis_write_through",
                    help="comma-separated tier settings to compare; the first is the baseline")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     p.add_argument("--parts", default="ttft,overhead", help="comma-separated: ttft, overhead")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
 class _PrivateRedis:

@@ -28,8 +28,10 @@ DELIVERY = "tidewire_delta_delivery_seconds"  # the server's sampled-to-written 
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registry name, HF model directory or .gguf file (see `tidewire models`)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32")
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda where a GPU is present, else cpu")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -37,12 +39,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the host tier of both engines (server and engine alone)")
     p.add_argument("--no-async-output", dest="async_output", action="store_false",
                    help="the server sends a step's outputs before the next step starts")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests (and sockets) per round (other values change chat-64)")
+    p.add_argument("--max-num-seqs", type=int, default=64,
+                   help="sequences one engine step may batch, in both engines")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens one engine step may process, in both engines")
     p.add_argument("--protocol", default="tidewire.v1.msgpack",
-                   choices=["tidewire.v1.msgpack", "tidewire.v1.json"])
-    p.add_argument("--seed", type=int, default=0)
+                   choices=["tidewire.v1.msgpack", "tidewire.v1.json"],
+                   help="the WebSocket subprotocol the clients speak")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the first round's workload (round i uses seed + i)")
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate engine alone / sockets this many times, each round on "
                         "fresh chat-64 requests (seed + round); the ratio is the median "
@@ -56,7 +63,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "which a co-located client on a small machine otherwise does "
                         "(remote clients never do)")
     add_sampling_args(p, "the measured rounds' tokens, in both engines")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
 def free_port() -> int:

@@ -3,13 +3,22 @@
 Public API: LLM (offline), AsyncEngine (asyncio facade over the engine thread),
 SamplingParams, EngineConfig, and the output types."""
 
-from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, SchedulerConfig, TierConfig
-from engine.llm import LLM
-from engine.llm_engine import EngineConfig, LLMEngine, PromptTooLongError
-from engine.outputs import RequestOutput, StepOutput
-from engine.sampling_params import SamplingParams
+import importlib
+from typing import Any
 
-__all__ = ["LLM", "AsyncEngine", "CacheConfig", "EngineConfig", "LLMEngine",
-           "PromptTooLongError", "RequestOutput", "SamplingParams", "SchedulerConfig",
-           "StepOutput", "TierConfig"]
+# name -> module; imported on first use, so `import engine.registry` (the command line)
+# does not pay for torch
+_EXPORTS = {"AsyncEngine": "engine.async_engine", "CacheConfig": "engine.config",
+            "SchedulerConfig": "engine.config", "TierConfig": "engine.config", "LLM": "engine.llm",
+            "EngineConfig": "engine.llm_engine", "LLMEngine": "engine.llm_engine",
+            "PromptTooLongError": "engine.llm_engine", "RequestOutput": "engine.outputs",
+            "StepOutput": "engine.outputs", "SamplingParams": "engine.sampling_params"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value

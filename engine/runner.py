@@ -3,6 +3,8 @@ samples the rows that reached the end of their known tokens."""
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +54,23 @@ class StepInputs:
     sampling: SamplingBatch
 
 
+def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor for the KV cache. On the CPU it is an anonymous mapping, whose
+    pages the kernel zero-fills on first touch: the process holds the blocks it has
+    used rather than the whole budget from the start (a 1 GB pool of which a chat
+    uses a few MB), and start-up skips writing zeros over all of it."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
+
+
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 backend: str, block_size: int, num_blocks: int, seed: int = 0,
+                 backend: str, block_size: int, num_blocks: int, seed: int | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 8192,
                  enforce_eager: bool = False, quantization: str = "none",
                  quant_cache: Path | None = None) -> None:
@@ -70,8 +86,8 @@ class ModelRunner:
         self.model = LlamaModel(arch, weights, dtype, attn, quantization, quant_cache)
         # One tensor holds every layer's K and V cache, so that moving whole blocks to
         # or from the host tier is one gather or scatter, not two per layer.
-        self.kv = torch.zeros((arch.num_layers, 2, *attn.cache_shape(num_blocks)),
-                              dtype=dtype, device=self.device)
+        self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)), dtype,
+                          self.device)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv.unbind(0)]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}

@@ -12,6 +12,7 @@ vocabulary entry: 54 ms a step for 64 rows of a 49k vocabulary on a 2-core CPU, 
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -226,8 +227,11 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, seed: int | None = None) -> None:
+        """`seed`: the shared generator's seed (for unseeded requests); None draws it
+        from OS entropy, so unseeded requests differ from one process to the next."""
+        self.generator = torch.Generator().manual_seed(
+            secrets.randbits(63) if seed is None else seed)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: fp32 [rows, vocab] (modified in place)."""

@@ -29,12 +29,22 @@ class ServiceConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_name: str = "smollm2-135m"  # the id clients see in /v1/models and `ready`
     api_keys: dict[str, str] = field(default_factory=dict)  # key -> tenant; empty = open
-    allowed_origins: tuple[str, ...] = ()  # empty = any Origin
+    # browser origins, checked only on requests that send Origin (see service.origins):
+    # empty = same-origin only, "*" = any, else these plus same-origin
+    allowed_origins: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     shutdown_grace: float = 10.0
     # permessage-deflate: off by default, since deflating a delta of a few dozen bytes
     # cost ~55 us of the event loop per frame (most of a delta's delivery time)
     ws_compression: bool = False
+    # "model": requests that leave sampling fields unset get the model's defaults
+    # (generation_config.json, else the registry entry); "none": OpenAI's defaults
+    sampling_defaults: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.sampling_defaults not in ("model", "none"):
+            raise ValueError(f"sampling_defaults must be model or none, "
+                             f"got {self.sampling_defaults!r}")
 
     @staticmethod
     def keys_from_env(value: str | None = None) -> dict[str, str]:

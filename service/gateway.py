@@ -63,6 +63,9 @@ class Gateway:
         self._delivery_log: list[float] = []
         self._sse_delivery_log: list[float] = []
         self.num_detached = 0
+        # filled into every request's unset sampling fields (ServiceConfig.sampling_defaults)
+        self.sampling_defaults: dict[str, float] = (
+            dict(engine.engine.sampling_defaults) if config.sampling_defaults == "model" else {})
 
     # -- auth ------------------------------------------------------------------------------
 

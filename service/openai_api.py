@@ -3,18 +3,21 @@ streaming as server-sent events. Errors use OpenAI's error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import SamplingParams
-from engine.outputs import RequestOutput
-from service.gateway import Admission, Gateway
+from engine.detokenizer import byte_level_table
+from engine.outputs import CompletionOutput, RequestOutput
+from service.gateway import Admission, Gateway, Principal
 from service.protocol import ProtocolError
 from service.ws import Timings
 
@@ -31,19 +34,45 @@ FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
           "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
           "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
           "model": None, "stream": None, "stream_options": None, "user": None,
-          "logprobs": None, "top_logprobs": None, "messages": None, "prompt": None}
+          "logprobs": None, "top_logprobs": None, "messages": None, "prompt": None,
+          "echo": None}
 
 
 def error_response(e: ProtocolError) -> JSONResponse:
     status = HTTP_STATUS.get(e.code, 400)
     headers = {"Retry-After": "1"} if status == 429 else None
+    return error_json(status, e.code, e.message, headers)
+
+
+def error_json(status: int, code: str, message: str,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error body: {"error": {message, type, param, code}}."""
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": e.message, "type": kind, "param": None,
-                                   "code": e.code}}, status_code=status, headers=headers)
+            405: "invalid_request_error", 413: "invalid_request_error",
+            429: "rate_limit_error"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": code}}, status_code=status, headers=headers)
 
 
-def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's HTTPException (no route, wrong method, no such static file) in the
+    same shape, so a client sees one error format whatever the path. Keeps the
+    exception's headers: a 405 carries Allow."""
+    status = getattr(exc, "status_code", 500)
+    headers = getattr(exc, "headers", None)
+    where = f"{request.method} {request.url.path}"
+    if status == 404:
+        return error_json(404, "not_found", f"no such endpoint: {where}", headers)
+    if status == 405:
+        allow = (headers or {}).get("Allow", "")
+        return error_json(405, "method_not_allowed",
+                          f"method not allowed: {where} (allowed: {allow})", headers)
+    return error_json(status, f"http_{status}", getattr(exc, "detail", "") or where, headers)
+
+
+def sampling_params(body: dict[str, Any], chat: bool,
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The body's sampling fields; `defaults` fill the ones it leaves unset (or null)."""
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise ProtocolError("invalid_request", f"unknown parameter(s): {', '.join(unknown)}")
@@ -55,7 +84,7 @@ def sampling_params(body: dict[str, Any], chat: bool) -> SamplingParams:
         kw["logprobs"] = lp
     kw.setdefault("max_tokens", 16 if not chat else 512)
     try:
-        return SamplingParams(**kw)
+        return SamplingParams(**{**(defaults or {}), **kw})
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e)) from None
 
@@ -84,9 +113,28 @@ async def models(request: Request) -> Response:
         gw.authenticate(request.headers.get("authorization"))
     except ProtocolError as e:
         return error_response(e)
-    return JSONResponse({"object": "list", "data": [
-        {"id": gw.config.model_name, "object": "model", "created": 0, "owned_by": "tidewire",
-         "max_model_len": gw.engine.engine.max_model_len}]})
+    return JSONResponse({"object": "list", "data": [model_card(gw)]})
+
+
+def model_card(gw: Gateway) -> dict[str, Any]:
+    """The served model's object, as /v1/models lists it and /v1/models/{id} returns it."""
+    return {"id": gw.config.model_name, "object": "model", "created": 0, "owned_by": "tidewire",
+            "max_model_len": gw.engine.engine.max_model_len,
+            # what a request that leaves a sampling field unset gets
+            "sampling_defaults": gw.sampling_defaults}
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{id}: the model object, or 404 model_not_found."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        gw.authenticate(request.headers.get("authorization"))
+        wanted = request.path_params["model"]
+        if wanted != gw.config.model_name:
+            raise ProtocolError("model_not_found", f"model {wanted!r} is not served here")
+    except ProtocolError as e:
+        return error_response(e)
+    return JSONResponse(model_card(gw))
 
 
 async def _complete(request: Request, chat: bool) -> Response:
@@ -97,20 +145,125 @@ async def _complete(request: Request, chat: bool) -> Response:
         model = body.get("model", gw.config.model_name)
         if model != gw.config.model_name:
             raise ProtocolError("model_not_found", f"model {model!r} is not served here")
-        params = sampling_params(body, chat)
-        prompt, messages = _inputs(body, chat)
-        adm = gw.submit(principal, params, None, prompt, messages)
+        params = sampling_params(body, chat, gw.sampling_defaults)
+        jobs = _submit_all(gw, principal, params, body, chat)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": gw.config.model_name}
+    # chat logprobs carry each token's bytes: the table is built once, off the loop
+    lp_chat = chat and params.logprobs is not None
+    table = await _byte_table(gw.engine.tokenizer) if lp_chat else None
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_sse(gw, adm, meta, chat, include_usage),
+        return StreamingResponse(_sse(gw, jobs, meta, chat, include_usage, table),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _whole(gw, adm, meta, chat)
+    return await _whole(gw, jobs, meta, chat, table)
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    """One prompt of a request: its admission, the choice index of its first sample
+    (a list of prompts gives each prompt `n` consecutive indexes) and, with `echo`,
+    the prompt text its choices start with."""
+
+    adm: Admission
+    base: int = 0
+    echo: str | None = None
+    logprobs: bool = False  # asked for: an echoed prompt then lists its tokens too
+    timings: Timings | None = None
+    last: RequestOutput | None = None
+
+    def __post_init__(self) -> None:
+        self.timings = Timings(self.adm.arrival)
+
+
+def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
+                body: dict[str, Any], chat: bool) -> list[_Job]:
+    """Admit each prompt, or none: a refusal releases the ones already admitted."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ProtocolError("invalid_request", "echo must be a boolean")
+    if chat and echo:
+        raise ProtocolError("invalid_request", "echo is a /v1/completions parameter")
+    prompts, messages = ([None], _inputs(body, True)[1]) if chat else (_prompts(body), None)
+    jobs: list[_Job] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            adm = gw.submit(principal, params, None, prompt, messages)
+            jobs.append(_Job(adm, i * params.n, _echo_text(gw, adm, prompt) if echo else None,
+                             params.logprobs is not None))
+    except ProtocolError:
+        _end(gw, jobs)
+        raise
+    return jobs
+
+
+def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """`prompt` as OpenAI takes it: a string, a list of token ids, or a list of either
+    (each its own prompt, with `n` choices of its own)."""
+    prompt = body.get("prompt")
+    if _one_prompt(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
+        return list(prompt)
+    raise ProtocolError("invalid_request", "prompt must be a string, a list of token ids, "
+                        "or a non-empty list of either")
+
+
+def _one_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return bool(prompt)
+    return isinstance(prompt, list) and bool(prompt) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+def _echo_text(gw: Gateway, adm: Admission, prompt: str | list[int]) -> str:
+    """The prompt as text: as sent, or its token ids decoded ("" with no tokenizer,
+    as the completion text itself is then)."""
+    if isinstance(prompt, str):
+        return prompt
+    tok = gw.engine.tokenizer
+    return tok.decode(adm.stream.output.prompt_token_ids) if tok is not None else ""
+
+
+def _end(gw: Gateway, jobs: list[_Job]) -> None:
+    """Release every prompt's admission, aborting one still running (the client went
+    away, or a sibling prompt was refused)."""
+    for job in jobs:
+        reason = job.last.finish_reason if job.last else "error"
+        if not job.adm.stream.finished:
+            gw.engine.abort(job.adm.stream.request_id)
+            reason = "abort"
+        gw.release(job.adm, reason)
+
+
+async def _outputs(jobs: list[_Job]) -> AsyncIterator[tuple[_Job, RequestOutput]]:
+    """Each prompt's deltas as they come. One prompt iterates its stream; several
+    share one wake-up (the streams' listener) and are drained in turn. A delta is
+    consumed before the next take(), which is what keeps its cumulative fields valid."""
+    if len(jobs) == 1:
+        job = jobs[0]
+        async for job.last in job.adm.stream:
+            yield job, job.last
+        return
+    ready = asyncio.Event()
+    for job in jobs:
+        job.adm.stream.listener = ready.set
+    live = jobs
+    while live:
+        ready.clear()  # no await between here and the wait unless a delta was taken
+        took = False
+        for job in live:
+            out = job.adm.stream.take()
+            if out is not None:
+                took, job.last = True, out
+                yield job, out
+        live = [job for job in live if not job.adm.stream.finished]
+        if live and not took:
+            await ready.wait()
 
 
 async def warm(request: Request) -> Response:
@@ -153,56 +306,96 @@ def _inputs(body: dict[str, Any], chat: bool) -> tuple[Any, Any]:
     return prompt, None
 
 
-def _usage(adm: Admission, last: RequestOutput | None) -> dict[str, Any]:
-    prompt = len(adm.stream.output.prompt_token_ids)
-    completion = sum(len(o.token_ids) for o in last.outputs) if last else 0
+def _usage(jobs: list[_Job]) -> dict[str, Any]:
+    prompt = sum(len(j.adm.stream.output.prompt_token_ids) for j in jobs)
+    completion = sum(len(o.token_ids) for j in jobs if j.last for o in j.last.outputs)
+    cached = sum(j.last.num_cached_tokens for j in jobs if j.last)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens if last else 0}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _finish(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "stop", "error": "error"}.get(reason or "")
 
 
-def _logprobs(out: RequestOutput, index: int, new: int, chat: bool, tok: Any) -> Any:
+_BYTE_TABLE: list[Any] = [None, None]  # [tokenizer, its byte table]: the one model served
+
+
+async def _byte_table(tok: Any) -> list[bytes] | None:
+    """Each token id's raw bytes, for logprobs' `bytes`: a token can hold part of a
+    UTF-8 character, which its decoded text (U+FFFD) cannot give back. None when the
+    tokenizer is not byte-level: bytes then come from the token's text."""
+    if tok is None:
+        return None
+    if _BYTE_TABLE[0] is not tok:  # ~80 ms for a 49k vocabulary: once, in a thread
+        _BYTE_TABLE[:] = [tok, await asyncio.to_thread(byte_level_table, tok, False)]
+    return _BYTE_TABLE[1]
+
+
+def _text(tok: Any, token_id: int) -> str:
+    """A token's text ("" for a model without a tokenizer, whose outputs have none)."""
+    return tok.decode([token_id]) if tok is not None else ""
+
+
+def _token_lp(tok: Any, table: list[bytes] | None, token_id: int, logprob: float) -> dict[str, Any]:
+    text = _text(tok, token_id)
+    raw = table[token_id] if table is not None and token_id < len(table) else text.encode()
+    return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+
+def _logprobs(out: RequestOutput, index: int, new: int, chat: bool, tok: Any,
+              table: list[bytes] | None = None) -> Any:
     lps = out.outputs[index].logprobs
     if lps is None:
         return None
     lps = lps[-new:] if new else []
     if chat:
-        return {"content": [{"token": tok.decode([x.token_id]), "logprob": x.logprob,
-                             "top_logprobs": [{"token": tok.decode([t]), "logprob": v}
-                                              for t, v in x.top]} for x in lps]}
-    return {"tokens": [tok.decode([x.token_id]) for x in lps],
+        return {"content": [{**_token_lp(tok, table, x.token_id, x.logprob),
+                             "top_logprobs": [_token_lp(tok, table, t, v) for t, v in x.top]}
+                            for x in lps]}
+    return {"tokens": [_text(tok, x.token_id) for x in lps],
             "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{tok.decode([t]): v for t, v in x.top} for x in lps]}
+            "top_logprobs": [{_text(tok, t): v for t, v in x.top} for x in lps]}
 
 
-async def _whole(gw: Gateway, adm: Admission, meta: dict[str, Any], chat: bool) -> Response:
-    last, reason = None, "error"
-    track = Timings(adm.arrival)
+def _prompt_logprobs(job: _Job, tok: Any) -> dict[str, list[Any]]:
+    """Legacy logprobs of an echoed prompt: its tokens' text; the engine computes no
+    prompt logprobs, so their values are null (OpenAI's first prompt token's are too)."""
+    ids = job.adm.stream.output.prompt_token_ids
+    return {"tokens": [_text(tok, t) for t in ids], "token_logprobs": [None] * len(ids),
+            "top_logprobs": [None] * len(ids)}
+
+
+def _choice(job: _Job, o: CompletionOutput, chat: bool, tok: Any,
+            table: list[bytes] | None) -> dict[str, Any]:
+    """One sample of a finished request, in the non-streaming response."""
+    assert job.last is not None
+    c: dict[str, Any] = {"index": job.base + o.index, "finish_reason": _finish(o.finish_reason)}
+    lp = _logprobs(job.last, o.index, len(o.token_ids), chat, tok, table)
+    if chat:
+        c["message"] = {"role": "assistant", "content": o.text}
+    elif job.echo is not None:
+        c["text"] = job.echo + o.text
+        if lp is not None:
+            lp = {k: v + lp[k] for k, v in _prompt_logprobs(job, tok).items()}
+    else:
+        c["text"] = o.text
+    c["logprobs"] = lp
+    return c
+
+
+async def _whole(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
+                 table: list[bytes] | None) -> Response:
     try:
-        async for last in adm.stream:
-            track.token(len(last.new_token_ids), gw)
-        reason = last.finish_reason if last else "error"
+        async for job, last in _outputs(jobs):
+            job.timings.token(len(last.new_token_ids), gw)
     finally:
-        if not adm.stream.finished:
-            gw.engine.abort(adm.stream.request_id)
-        gw.release(adm, reason)
-    assert last is not None
+        _end(gw, jobs)
     tok = gw.engine.tokenizer
-    choices = []
-    for o in last.outputs:
-        c: dict[str, Any] = {"index": o.index, "finish_reason": _finish(o.finish_reason)}
-        if chat:
-            c["message"] = {"role": "assistant", "content": o.text}
-        else:
-            c["text"] = o.text
-        c["logprobs"] = _logprobs(last, o.index, len(o.token_ids), chat, tok)
-        choices.append(c)
+    choices = [_choice(job, o, chat, tok, table) for job in jobs for o in job.last.outputs]
     obj = "chat.completion" if chat else "text_completion"
-    return JSONResponse({**meta, "object": obj, "choices": choices, "usage": _usage(adm, last)})
+    return JSONResponse({**meta, "object": obj, "choices": choices, "usage": _usage(jobs)})
 
 
 def _chunk(meta: dict[str, Any], chat: bool, choices: list[dict[str, Any]],
@@ -214,41 +407,48 @@ def _chunk(meta: dict[str, Any], chat: bool, choices: list[dict[str, Any]],
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _sse(gw: Gateway, adm: Admission, meta: dict[str, Any], chat: bool,
-               include_usage: bool) -> AsyncIterator[str]:
+def _echo_chunks(meta: dict[str, Any], jobs: list[_Job], tok: Any) -> Iterator[str]:
+    """Streaming `echo`: each choice's prompt text comes first, in a chunk of its own."""
+    for job in jobs:
+        if job.echo is None:
+            continue
+        lp = _prompt_logprobs(job, tok) if job.logprobs else None
+        for i in range(len(job.adm.stream.output.outputs)):
+            yield _chunk(meta, False, [{"index": job.base + i, "text": job.echo,
+                                        "logprobs": lp, "finish_reason": None}])
+
+
+async def _sse(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
+               include_usage: bool, table: list[bytes] | None) -> AsyncIterator[str]:
     """Role first (chat), then content deltas, finish_reason on each choice's last
     chunk, optionally a usage chunk, then [DONE]. A client that disconnects closes this
     generator, which aborts the request."""
-    last, reason = None, "error"
-    track = Timings(adm.arrival)
     tok = gw.engine.tokenizer
     try:
         if chat:
             yield _chunk(meta, chat, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                        "finish_reason": None}
-                                      for i in range(len(adm.stream.output.outputs))])
-        async for last in adm.stream:
-            track.token(len(last.new_token_ids), gw)
+                                      for i in range(len(jobs[0].adm.stream.output.outputs))])
+        for chunk in _echo_chunks(meta, jobs, tok):
+            yield chunk
+        async for job, last in _outputs(jobs):
+            job.timings.token(len(last.new_token_ids), gw)
             done = last.outputs[last.index].finish_reason
             if not (last.delta_text or last.new_token_ids or done):
                 continue
-            c: dict[str, Any] = {"index": last.index, "finish_reason": _finish(done)}
+            c: dict[str, Any] = {"index": job.base + last.index, "finish_reason": _finish(done)}
             if chat:
                 c["delta"] = {"content": last.delta_text}
             else:
                 c["text"] = last.delta_text
-            c["logprobs"] = _logprobs(last, last.index, len(last.new_token_ids), chat, tok)
-            sampled = adm.stream.sampled_at
+            c["logprobs"] = _logprobs(last, last.index, len(last.new_token_ids), chat, tok, table)
+            sampled = job.adm.stream.sampled_at
             yield _chunk(meta, chat, [c])
             # the response asks for the next chunk once this one's send has returned
             if sampled:
                 gw.log_sse_delivery(time.monotonic() - sampled)
-        reason = last.finish_reason if last else "error"
         if include_usage:
-            yield _chunk(meta, chat, [], _usage(adm, last))
+            yield _chunk(meta, chat, [], _usage(jobs))
         yield "data: [DONE]\n\n"
     finally:
-        if not adm.stream.finished:
-            gw.engine.abort(adm.stream.request_id)
-            reason = "abort"
-        gw.release(adm, reason)
+        _end(gw, jobs)

@@ -17,7 +17,7 @@ AUTH_PREFIX = "tidewire.auth."
 ERROR_CODES = frozenset({
     "invalid_request", "unauthorized", "model_not_found", "duplicate_id", "too_many_inflight",
     "overloaded", "context_length_exceeded", "message_too_big", "slow_consumer",
-    "internal_error",
+    "internal_error", "unknown_id",
 })
 RETRYABLE = frozenset({"too_many_inflight", "overloaded", "slow_consumer", "internal_error"})
 MAX_ID_LEN = 128
@@ -51,13 +51,64 @@ class Codec:
                             json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode)
 
     def decode(self, data: bytes | str) -> dict[str, Any]:
-        try:
-            msg = msgpack.unpackb(data, raw=False) if self.binary else json.loads(data)
-        except Exception as e:  # noqa: BLE001 - any parse failure is the client's
-            raise ProtocolError("invalid_request", f"cannot parse message: {e}") from None
+        """One message, or an `invalid_request` ProtocolError whose message says what was
+        wrong in the terms of the subprotocol the client chose (a client author reads it)."""
+        msg = _unpack_msgpack(data) if self.binary else _load_json(data)
         if not isinstance(msg, dict):
-            raise ProtocolError("invalid_request", "a message must be an object")
+            want, names = ("a map", _MSGPACK_KINDS) if self.binary else ("an object", _JSON_KINDS)
+            got = names.get(type(msg), type(msg).__name__)
+            raise ProtocolError("invalid_request", f"a message must be {want}, got {got}")
         return msg
+
+
+# what a client author calls the value a message decoded to, in each subprotocol
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+_MSGPACK_KINDS = {list: "an array", str: "a string", bytes: "binary data", int: "an integer",
+                  float: "a float", bool: "a boolean", type(None): "nil",
+                  msgpack.ExtType: "an ext value"}
+
+
+def _unpack_msgpack(data: bytes | str) -> Any:
+    if isinstance(data, str):  # the socket's frame type, not the payload, is wrong
+        raise ProtocolError("invalid_request",
+                            "the msgpack subprotocol expects binary frames; got a text frame")
+    try:
+        return msgpack.unpackb(data, raw=False)
+    except Exception as e:  # noqa: BLE001 - any parse failure is the client's
+        raise ProtocolError("invalid_request",
+                            f"message is not valid msgpack: {_msgpack_reason(e)}") from None
+
+
+def _msgpack_reason(e: Exception) -> str:
+    """msgpack's own messages are terse or empty (FormatError has none)."""
+    if isinstance(e, msgpack.ExtraData):
+        return "bytes left over after the first value (send one value per frame)"
+    if isinstance(e, msgpack.FormatError):
+        return "a byte that starts no msgpack type"
+    if isinstance(e, msgpack.StackError):
+        return "nested too deeply"
+    if isinstance(e, UnicodeDecodeError):
+        return f"a string is not valid UTF-8 ({e.reason} at byte {e.start} of it)"
+    text = str(e).removeprefix("Unpack failed: ")  # e.g. "incomplete input"
+    if "for map key" in text:  # "int is not allowed for map key when strict_map_key=True"
+        return f"map keys must be strings, got a key of type {text.split()[0]}"
+    return text or type(e).__name__
+
+
+def _load_json(data: bytes | str) -> Any:
+    """JSON from a text frame (or a binary one holding UTF-8 JSON, which is accepted)."""
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError as e:
+        reason = f"{e.msg} at line {e.lineno} column {e.colno}"
+    except UnicodeDecodeError as e:
+        reason = f"not UTF-8 text ({e.reason} at byte {e.start})"
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as e:  # e.g. an integer literal past Python's digit limit
+        reason = str(e)
+    raise ProtocolError("invalid_request", f"message is not valid JSON: {reason}")
 
 
 @dataclass
@@ -76,7 +127,8 @@ def request_id(msg: dict[str, Any]) -> str:
     return rid
 
 
-def parse_generate(msg: dict[str, Any]) -> Generate:
+def parse_generate(msg: dict[str, Any], defaults: dict[str, Any] | None = None) -> Generate:
+    """A `generate` message; `defaults` fill the sampling fields `params` leaves unset."""
     rid = request_id(msg)
     unknown = set(msg) - {"type", "id", "messages", "prompt", "prompt_token_ids", "params",
                           "priority"}
@@ -90,7 +142,7 @@ def parse_generate(msg: dict[str, Any]) -> Generate:
     if not isinstance(params, dict):
         raise ProtocolError("invalid_request", "params must be an object", rid)
     try:
-        sp = SamplingParams.from_dict(params)
+        sp = SamplingParams.from_dict({**(defaults or {}), **params})
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e), rid) from None
     return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp)

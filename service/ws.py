@@ -31,6 +31,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.outputs import RequestOutput
 from service.gateway import Admission, Gateway, Principal
+from service.origins import origin_allowed
 from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, ProtocolError,
                               parse_generate, parse_resume, parse_warm, request_id)
 
@@ -98,7 +99,8 @@ class Session:
         tasks = [asyncio.create_task(self._writer()), asyncio.create_task(self._watchdog())]
         self._frame({"type": "ready", "session_id": self.session_id,
                      "protocol": self.codec.subprotocol, "model": self.gw.config.model_name,
-                     "limits": self._limits(), "features": self._features()})
+                     "limits": self._limits(), "features": self._features(),
+                     "sampling_defaults": self.gw.sampling_defaults})
         try:
             await self._reader()
         finally:
@@ -344,19 +346,41 @@ class Session:
                 await self.ws.close(code=1000, reason="idle timeout")
                 return
             if m["type"] == "websocket.disconnect":
+                if m.get("code") == 1009:  # the server's hard cap (service.server) closed it
+                    self.gw.metrics.errors.labels("message_too_big").inc()
                 self.dropped = True
                 return
             data = m.get("bytes") if m.get("bytes") is not None else m.get("text")
             if data is None:
                 continue
-            if len(data) > self.limits.max_message_bytes:
-                self._error(ProtocolError("message_too_big", "message exceeds the size limit"))
-                await self.ws.close(code=1009, reason="message too big")
-                return
+            if self._over_limit(data):
+                self._error(self._too_big(data))  # the socket stays open, as for any bad message
+                continue
             try:
                 self._handle(self.codec.decode(data))
             except ProtocolError as e:
                 self._error(e)
+
+    def _over_limit(self, data: bytes | str) -> bool:
+        """Whether a message is over max_message_bytes as it was on the wire: a text
+        frame's UTF-8 bytes, encoded only when its length in characters cannot tell."""
+        limit, n = self.limits.max_message_bytes, len(data)
+        if isinstance(data, str) and limit // 4 < n <= limit:
+            n = len(data.encode())
+        return n > limit
+
+    def _too_big(self, data: bytes | str) -> ProtocolError:
+        """message_too_big, naming the message's request when it has a valid id, so that
+        an SDK fails that request rather than waiting on it. Parsing it anyway is bounded:
+        past the server's hard cap (service.server) it never reaches us."""
+        rid = None
+        with contextlib.suppress(ProtocolError):
+            rid = request_id(self.codec.decode(data))
+        size = len(data.encode()) if isinstance(data, str) else len(data)
+        return ProtocolError("message_too_big",
+                             f"message of {size} bytes is over max_message_bytes "
+                             f"({self.limits.max_message_bytes}, in the ready frame's limits)",
+                             rid)
 
     def _idle_timeout(self) -> float | None:
         return None if self.live else self.limits.idle_timeout
@@ -369,9 +393,7 @@ class Session:
         if kind == "generate":
             self._generate(msg)
         elif kind == "cancel":
-            live = self.live.get(request_id(msg))
-            if live is not None:
-                self.gw.engine.abort(live.adm.stream.request_id)
+            self._cancel(request_id(msg))
         elif kind == "ping":
             self._frame({"type": "pong", "t": msg.get("t")})
         elif kind == "warm":
@@ -382,6 +404,21 @@ class Session:
             raise ProtocolError("invalid_request", f"unknown message type {kind!r}",
                                 msg.get("id") if isinstance(msg.get("id"), str) else None)
 
+    def _cancel(self, rid: str) -> None:
+        """Abort a request in flight on this socket; its done (cancelled) follows.
+
+        An id not in flight here answers `unknown_id`: never generated on this socket
+        (a warm, another socket's, parked by a dropped one), or finished. A finished one
+        leaves self.live when its done frame is built, and that frame is written or
+        queued ahead of this error: the client sees done, then unknown_id. One that the
+        engine finished but whose done is not built yet is still here: the abort is a
+        no-op and its done tells how it really ended."""
+        live = self.live.get(rid)
+        if live is None:
+            raise ProtocolError("unknown_id", f"no request {rid!r} is in flight on this socket",
+                                rid)
+        self.gw.engine.abort(live.adm.stream.request_id)
+
     def _check_room(self, rid: str) -> None:
         """A new (or resumed) stream needs a free id and room on this socket."""
         if rid in self.live:
@@ -391,7 +428,7 @@ class Session:
                                 rid)
 
     def _generate(self, msg: dict[str, Any]) -> None:
-        g = parse_generate(msg)
+        g = parse_generate(msg, self.gw.sampling_defaults)
         self._check_room(g.id)
         ahead = self.gw.queue_position()
         adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, g.messages)
@@ -561,9 +598,9 @@ def choose_subprotocol(offered: list[str]) -> str | None:
 async def websocket_endpoint(ws: WebSocket) -> None:
     gw: Gateway = ws.app.state.gateway
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
-    origins = gw.config.allowed_origins
-    if origins and ws.headers.get("origin") not in origins:
-        await ws.close(code=1008, reason="origin not allowed")
+    if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"),
+                          gw.config.allowed_origins):
+        await ws.close(code=1008, reason="origin not allowed")  # before accept: HTTP 403
         return
     try:
         principal = gw.authenticate(ws.headers.get("authorization"), offered)

@@ -3,6 +3,10 @@ HF transformers greedy reference."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import os
 from pathlib import Path
 
@@ -34,6 +38,19 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides)
     model = model_cls(config_cls(**kw))
     model.eval().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_each_module():
+    """After each test file: collect what its engines and servers left (an engine's
+    tier worker and block pool form a cycle only the cyclic GC frees; two passes, as
+    the first runs the finalizer that stops the worker) and hand freed heap back to the
+    OS, so that one file's models do not add to the next one's peak."""
+    yield
+    gc.collect()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 @pytest.fixture(scope="session")

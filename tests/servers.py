@@ -68,14 +68,15 @@ def run_server(config: ServiceConfig) -> Iterator[RunningServer]:
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and thread.is_alive():
         with contextlib.suppress(OSError):
             if http_get(url + "/ready")[0] == 200:
                 break
         time.sleep(0.1)
     else:
         server.should_exit = True
-        raise RuntimeError("server did not become ready")
+        thread.join(timeout=30)
+        raise RuntimeError(f"server did not become ready (load error: {server.load_error!r})")
     try:
         yield RunningServer(url, f"ws://127.0.0.1:{port}/v1/ws", app, server)
     finally:

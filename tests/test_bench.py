@@ -108,3 +108,20 @@ def test_bench_offline_profiles_steps_and_plots_batch_sizes(tiny_models, tmp_pat
         assert b["running"] == b["batch"]  # nobody finished before the measured steps
         assert parts == pytest.approx(b["step_ms"], rel=0.05) or parts >= b["step_ms"]
     assert res["prefill"]["tidewire_prompt_tok_s"] > 0 and res["prefill"]["prompt_tokens"] == 1023
+
+
+def test_bench_sampling_judges_answers_and_spots_loops() -> None:
+    import re
+
+    from bench.sampling import CANDIDATES, JUDGED, looping
+
+    answers = {"What is the capital of France?": "The capital of France is Paris.",
+               "How many legs does a spider have?": "A spider has eight legs.",
+               "Which gas do plants take in from the air for photosynthesis?": "Plants take in CO2."}
+    for question, pattern in JUDGED:
+        if question in answers:
+            assert re.search(pattern, answers[question], re.IGNORECASE)
+        assert not re.search(pattern, "I am not sure what you mean.", re.IGNORECASE)
+    assert looping("the cat " * 20) and not looping(" ".join(f"w{i}" for i in range(40)))
+    assert not looping("short answer")  # too short to call a loop
+    assert {"temperature": 1.0, "top_p": 1.0} in CANDIDATES  # what an unset request got before

@@ -59,10 +59,10 @@ def test_bench_http_counts_failed_requests_without_raising(server: RunningServer
                                                            tmp_path: Path, case: str,
                                                            capsys: pytest.CaptureFixture
                                                            ) -> None:
-    # Tidewire answers an unknown POST path from its static mount at "/" (405), an unknown
-    # model with 404 model_not_found; a closed port fails before any status.
+    # Tidewire answers an unknown path with 404 not_found, an unknown model with 404
+    # model_not_found; a closed port fails before any status.
     base, extra, key = {
-        "unknown path": (server.url + "/nope/v1", (), "405"),
+        "unknown path": (server.url + "/nope/v1", (), "404"),
         "unknown model": (server.url + "/v1", ("--model", "gpt-9"), "404"),
         "nothing listening": (f"http://127.0.0.1:{free_port()}/v1", (), "ConnectError"),
     }[case]

@@ -44,3 +44,21 @@ def test_dockerfile_installs_cpu_torch_first_and_serves_on_all_interfaces(monkey
     # every package the app imports is copied into the image
     for pkg in ("engine", "kernels", "cache_store", "service"):
         assert f"COPY {pkg} {pkg}" in text
+
+
+def test_install_steps_are_quiet_and_show_the_log_only_on_failure(tmp_path: Path) -> None:
+    import subprocess
+
+    quietly, log = str(ROOT / ".ci" / "quietly"), tmp_path / "logs" / "install.log"
+    ok = subprocess.run([quietly, str(log), "step one", "sh", "-c", "echo noisy; echo more"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.startswith("step one ... ok (")
+    assert "noisy" not in ok.stdout and "noisy\nmore\n" in log.read_text()
+    bad = subprocess.run([quietly, str(log), "step two", "sh", "-c", "echo why it broke; exit 3"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 3
+    assert "step two ... FAILED (exit 3)" in bad.stdout and "    why it broke" in bad.stdout
+    # make's recipes run every install step through it; the apt script too
+    makefile = (ROOT / "Makefile").read_text()
+    assert makefile.count("$(Q) ") >= 5 and "pip install -q" not in makefile
+    assert "quietly" in (ROOT / ".ci" / "system-deps").read_text()

@@ -474,3 +474,20 @@ def test_evicted_blocks_are_snapshotted_before_the_forward_and_shipped_after_lau
     assert host[0] > 0  # the first prompt's prefix came back from the tier
     assert toks + again == expected
     llm.close()
+
+
+def test_an_engine_dropped_without_close_is_freed(tiny_models) -> None:
+    """The tier's I/O worker holds the runner (weights, KV pool); dropping the LLM
+    without close() must still let all of it go (else every such LLM leaks its pool)."""
+    import gc
+    import weakref
+
+    llm = LLM(model=str(tiny_models("llama")), num_kv_blocks=64)
+    llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
+    runner, worker = weakref.ref(llm.engine.runner), llm.engine.offload._thread
+    del llm
+    deadline = time.monotonic() + 10
+    while (runner() is not None or worker.is_alive()) and time.monotonic() < deadline:
+        gc.collect()
+        worker.join(0.05)
+    assert runner() is None and not worker.is_alive()

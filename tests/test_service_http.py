@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
 import json
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -200,3 +203,257 @@ def test_sse_client_disconnect_aborts_and_max_connections(tiny_models) -> None:
                     return second.close_code
 
         assert asyncio.run(two_sockets()) == 1013
+
+
+# -- HTTP API edges: errors, CORS, tokenize, model, version, logprob bytes, echo, lists --
+
+ORIGIN = "https://app.example"
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_models):
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           model_name="tiny", allowed_origins=(ORIGIN,))
+    with run_server(config) as s:
+        yield s
+
+
+def http(url: str, method: str = "GET", body: object = None,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One plain request: (status, lower-cased headers, body), error statuses included."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def error_of(body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_unknown_path_is_json_404_and_wrong_method_405(tiny_server) -> None:
+    url = tiny_server.url
+    for method, path in [("POST", "/nope"), ("GET", "/v1/nope/deeper"), ("DELETE", "/v2"),
+                         ("PUT", "/sdk/missing.js"), ("GET", "/missing.html")]:
+        status, headers, body = http(url + path, method)
+        assert status == 404 and headers["content-type"] == "application/json", (method, path)
+        assert error_of(body) | {"message": ""} == {"message": "", "type": "not_found_error",
+                                                    "param": None, "code": "not_found"}
+    for method, path, allow in [("GET", "/v1/chat/completions", "POST"),
+                                ("DELETE", "/v1/completions", "POST"),
+                                ("POST", "/v1/models", "GET, HEAD"), ("POST", "/", "GET, HEAD"),
+                                ("POST", "/sdk/index.js", "GET, HEAD")]:
+        status, headers, body = http(url + path, method)
+        allowed = {m.strip() for m in headers["allow"].split(",")}  # (a set: any order)
+        assert status == 405 and allowed == set(allow.split(", ")), (method, path)
+        assert error_of(body)["code"] == "method_not_allowed"
+    assert http(url + "/")[1]["content-type"].startswith("text/html")  # the chat page
+    status, headers, _ = http(url + "/sdk/index.js")
+    assert status == 200 and "javascript" in headers["content-type"]
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:  # the SDK reads the body as an error
+        c.post("/nope", cast_to=object, body={})
+    assert info.value.code == "not_found"
+
+
+def _preflight(url: str, origin: str) -> tuple[int, dict[str, str]]:
+    status, headers, _ = http(url + "/v1/chat/completions", "OPTIONS", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os"})
+    return status, headers
+
+
+def test_cors_follows_allowed_origins(tiny_server, server) -> None:
+    status, h = _preflight(tiny_server.url, ORIGIN)
+    assert status == 200 and h["access-control-allow-origin"] == ORIGIN
+    assert "POST" in h["access-control-allow-methods"]
+    assert {"authorization", "content-type", "x-stainless-os"} <= {
+        x.strip() for x in h["access-control-allow-headers"].lower().split(",")}
+    status, h = _preflight(tiny_server.url, "HTTPS://App.Example:443/")  # as ws.py matches
+    assert status == 200 and h["access-control-allow-origin"] == "HTTPS://App.Example:443/"
+    status, h = _preflight(tiny_server.url, "https://evil.example")
+    assert status >= 400 and "access-control-allow-origin" not in h
+    # the actual request: granted to the listed origin only
+    body = {"model": "tiny", "prompt": [5, 6], "max_tokens": 1}
+    _, h, _ = http(tiny_server.url + "/v1/completions", "POST", body, {"Origin": ORIGIN})
+    assert h["access-control-allow-origin"] == ORIGIN and "retry-after" in h[
+        "access-control-expose-headers"].lower()
+    _, h, _ = http(tiny_server.url + "/v1/completions", "POST", body,
+                   {"Origin": "https://evil.example"})
+    assert "access-control-allow-origin" not in h
+    # the default (no origins listed): same-origin only, nothing granted to any other
+    status, h = _preflight(server.url, ORIGIN)
+    assert status >= 400 and "access-control-allow-origin" not in h
+    _, h, _ = http(server.url + "/v1/models", headers={"Origin": ORIGIN,
+                                                       "Authorization": "Bearer key-a"})
+    assert "access-control-allow-origin" not in h
+
+
+def test_cors_wildcard_and_websockets_pass_through(tiny_models) -> None:
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           model_name="tiny", allowed_origins=("*",))
+    with run_server(config) as s:
+        status, h = _preflight(s.url, "https://anywhere.example")
+        assert status == 200 and h["access-control-allow-origin"] == "*"
+
+        async def ready() -> str:  # the CORS layer leaves WebSocket scopes alone
+            async with connect(s.ws_url, subprotocols=["tidewire.v1.json"]) as ws:
+                return json.loads(await ws.recv())["type"]
+
+        assert asyncio.run(ready()) == "ready"
+
+
+def test_tokenize_and_detokenize(server, offline) -> None:
+    auth = {"Authorization": "Bearer key-a"}
+    url = server.url
+    text = "The café is open, isn't it?"
+    status, _, body = http(url + "/tokenize", "POST", {"model": "smollm2-135m", "prompt": text,
+                                                       "return_token_strs": True}, auth)
+    r = json.loads(body)
+    want = offline.tokenizer.encode(text, add_special_tokens=False)
+    max_len = client(server).models.list().data[0].max_model_len
+    assert status == 200 and r == {"count": len(want), "max_model_len": max_len, "tokens": want,
+                                   "token_strs": offline.tokenizer.convert_ids_to_tokens(want)}
+    status, _, body = http(url + "/detokenize", "POST", {"tokens": want}, auth)
+    assert status == 200 and json.loads(body) == {"prompt": text}
+    # messages go through the chat endpoint's template: the count is its prompt_tokens
+    _, _, body = http(url + "/tokenize", "POST", {"messages": MSGS}, auth)
+    r = json.loads(body)
+    chat = client(server).chat.completions.create(model="smollm2-135m", messages=MSGS,
+                                                  max_tokens=1)
+    assert r["count"] == chat.usage.prompt_tokens == len(r["tokens"]) and r["token_strs"] is None
+    _, _, body = http(url + "/tokenize", "POST", {"messages": MSGS,
+                                                  "add_generation_prompt": False}, auth)
+    assert json.loads(body)["tokens"] == offline.tokenizer.apply_chat_template(
+        MSGS, add_generation_prompt=False, tokenize=True, return_dict=False)
+    for path, bad in [("/tokenize", {}), ("/tokenize", {"prompt": 5}),
+                      ("/tokenize", {"prompt": "a", "messages": MSGS}),
+                      ("/tokenize", {"prompt": "a", "frobnicate": 1}),
+                      ("/tokenize", {"messages": [{"role": "user"}]}),
+                      ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}),
+                      ("/detokenize", {"tokens": "abc"}), ("/detokenize", {"tokens": [-1]}),
+                      ("/detokenize", {"tokens": [10 ** 9]})]:
+        status, _, body = http(url + path, "POST", bad, auth)
+        assert status == 400 and error_of(body)["type"] == "invalid_request_error", (path, bad)
+    status, _, body = http(url + "/tokenize", "POST", {"model": "gpt-9", "prompt": "a"}, auth)
+    assert status == 404 and error_of(body)["code"] == "model_not_found"
+    assert http(url + "/tokenize", "POST", {"prompt": "a"})[0] == 401  # the API key applies
+
+
+def test_model_retrieve_and_version(server) -> None:
+    c = client(server)
+    m = c.models.retrieve("smollm2-135m")
+    assert m.id == "smollm2-135m" and m.object == "model" and m.owned_by == "tidewire"
+    assert m.model_dump() == c.models.list().data[0].model_dump()
+    with pytest.raises(openai.NotFoundError) as info:
+        c.models.retrieve("gpt-9")
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "wrong").models.retrieve("smollm2-135m")
+    status, body = http_get(server.url + "/version")
+    assert status == 200
+    assert json.loads(body) == {"version": importlib.metadata.version("tidewire"),
+                                "model": "smollm2-135m", "max_model_len": m.max_model_len}
+
+
+def _check_bytes(entries: list) -> bytes:
+    """Each entry's (and alternative's) bytes; returns the chosen tokens' bytes joined."""
+    for t in entries:
+        assert t.bytes is not None and all(0 <= b < 256 for b in t.bytes)
+        if "\ufffd" not in t.token:  # a whole character (or more): bytes are its UTF-8
+            assert bytes(t.bytes) == t.token.encode()
+        assert t.top_logprobs and all(alt.bytes is not None for alt in t.top_logprobs)
+        assert t.top_logprobs[0].bytes == t.bytes  # greedy: the chosen token is the best
+    return b"".join(bytes(t.bytes) for t in entries)
+
+
+def test_chat_logprobs_carry_bytes(server) -> None:
+    c = client(server)
+    msgs = [{"role": "user", "content": "Write three emojis: 😀🎉🚀"}]
+    kw = dict(model="smollm2-135m", messages=msgs, max_tokens=16, temperature=0, logprobs=True,
+              top_logprobs=2, extra_body={"ignore_eos": True})
+    r = c.chat.completions.create(**kw)
+    # the bytes, joined, are the text: even where a token splits a character (its text
+    # alone is then U+FFFD, and its bytes are what a client reassembles)
+    content = r.choices[0].logprobs.content
+    assert any("\ufffd" in t.token for t in content)
+    assert _check_bytes(content).decode() == r.choices[0].message.content
+    chunks = [ch for ch in c.chat.completions.create(**kw, stream=True)
+              if ch.choices and ch.choices[0].logprobs]
+    entries = [t for ch in chunks for t in ch.choices[0].logprobs.content]
+    assert _check_bytes(entries).decode() == r.choices[0].message.content
+
+
+PROMPTS = ["The sea is", "Once upon a time"]
+
+
+def test_completions_list_of_prompts_and_echo(server, offline) -> None:
+    c = client(server)
+    wants = offline.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0))
+    r = c.completions.create(model="smollm2-135m", prompt=PROMPTS, n=2, max_tokens=6,
+                             temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]  # n per prompt, in prompt order
+    assert [ch.text for ch in r.choices] == [w.text for w in wants for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in wants)
+    assert r.usage.completion_tokens == sum(2 * len(w.token_ids) for w in wants)
+    # echo: the prompt in front of each choice's text, streaming or not
+    r = c.completions.create(model="smollm2-135m", prompt=PROMPTS, max_tokens=6, temperature=0,
+                             echo=True)
+    assert [ch.text for ch in r.choices] == [p + w.text for p, w in zip(PROMPTS, wants)]
+    texts = {0: "", 1: ""}
+    finished = set()
+    for part in c.completions.create(model="smollm2-135m", prompt=PROMPTS, max_tokens=6,
+                                     temperature=0, echo=True, stream=True):
+        for ch in part.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert texts == {0: PROMPTS[0] + wants[0].text, 1: PROMPTS[1] + wants[1].text}
+    assert finished == {0, 1}
+    # echo with logprobs: the prompt's tokens lead the list, with no logprob of their own
+    r = c.completions.create(model="smollm2-135m", prompt=PROMPTS[0], max_tokens=6,
+                             temperature=0, echo=True, logprobs=1)
+    lp, k = r.choices[0].logprobs, len(wants[0].prompt_token_ids)
+    assert "".join(lp.tokens) == r.choices[0].text == PROMPTS[0] + wants[0].text
+    assert lp.token_logprobs[:k] == [None] * k and all(x <= 0 for x in lp.token_logprobs[k:])
+    assert len(lp.tokens) == k + len(wants[0].token_ids)
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        c.chat.completions.create(model="smollm2-135m", messages=MSGS,
+                                  extra_body={"echo": True})
+
+
+def test_completions_token_id_prompts(tiny_server) -> None:
+    c = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="x", max_retries=0)
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12]]
+    kw = dict(model="tiny", prompt=prompts, n=2, max_tokens=4, temperature=0,
+              extra_body={"ignore_eos": True})
+    r = c.completions.create(**kw)
+    assert [ch.index for ch in r.choices] == list(range(6))
+    assert all(ch.finish_reason == "length" for ch in r.choices)
+    assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 6 * 4
+    done = {}
+    for part in c.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for ch in part.choices:
+            if ch.finish_reason:
+                done[ch.index] = ch.finish_reason
+        if part.usage:
+            assert part.usage.completion_tokens == 6 * 4
+    assert done == {i: "length" for i in range(6)}
+    for bad in [[], [[]], [5, "a"], [[5], "a", [7.5]], [True]]:
+        with pytest.raises(openai.BadRequestError, match="prompt"):
+            c.completions.create(model="tiny", prompt=bad, max_tokens=2)
+    # one prompt refused: none runs, and the admitted ones are released
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        c.completions.create(model="tiny", prompt=[[5, 6], [5] * 1020], max_tokens=10)
+    gw, eng = tiny_server.gateway, tiny_server.engine
+    for _ in range(500):
+        if not gw.inflight_total and not eng.has_unfinished():
+            break
+        time.sleep(0.01)
+    assert gw.inflight_total == 0 and not eng.has_unfinished()

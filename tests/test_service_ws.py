@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 
 import msgpack
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine import LLM, EngineConfig, SamplingParams
 from service.config import Limits, ServiceConfig
-from tests.servers import run_server, scrape_metrics
+from tests.servers import http_get, run_server, scrape_metrics
 
 JSON, MSGPACK = "tidewire.v1.json", "tidewire.v1.msgpack"
 QUESTIONS = ["What is the capital of France?", "Name a color.", "Count to five.",
@@ -76,6 +77,29 @@ def gen(rid: str, q: str, **params) -> dict:
     p = {"max_tokens": 24, "temperature": 0.0, **params}
     return {"type": "generate", "id": rid, "messages": [{"role": "user", "content": q}],
             "params": p}
+
+
+async def still_serves(c: Client, rid: str = "after") -> None:
+    """The socket is open and working: a request on it runs to its done."""
+    await c.send(gen(rid, "Name a color.", max_tokens=3))
+    msgs = await c.until_done({rid})
+    assert msgs[-1]["type"] == "done" and msgs[-1]["status"] == "completed"
+    assert not [m for m in msgs if m["type"] == "error"]
+
+
+def error_count(server, code: str) -> float:
+    """tidewire_errors_total for one code."""
+    body = http_get(server.url + "/metrics")[1].decode()
+    found = re.search(rf'^tidewire_errors_total{{code="{code}"}} (\S+)$', body, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def error_frame(m: dict, code: str, rid: str | None = None) -> str:
+    """Check an error frame's exact shape; its message, for further checks."""
+    want = {"type", "code", "message", "retryable"} | ({"id"} if rid is not None else set())
+    assert m["type"] == "error" and set(m) == want, m
+    assert m["code"] == code and m["retryable"] is False and m.get("id") == rid, m
+    return m["message"]
 
 
 async def test_concurrent_generates_interleave_and_match_offline(server) -> None:
@@ -199,7 +223,7 @@ async def test_duplicate_id_too_many_inflight_and_context_length(server) -> None
             if m["type"] == "error":
                 errs.append(m)
         assert errs[0]["code"] == "too_many_inflight" and errs[0]["retryable"] is True
-        for rid in ["d"] + [f"m{i}" for i in range(8)]:
+        for rid in ["d"] + [f"m{i}" for i in range(7)]:  # m7 was refused: not in flight
             await c.send({"type": "cancel", "id": rid})
         await c.until_done({"d"} | {f"m{i}" for i in range(7)})
         await c.send({"type": "generate", "id": "big", "prompt_token_ids": [5] * 8000,
@@ -209,13 +233,90 @@ async def test_duplicate_id_too_many_inflight_and_context_length(server) -> None
     await wait_free(server)
 
 
-async def test_message_too_big_closes_1009(server) -> None:
-    ws, c = await open_client(server)
-    await ws.send(json.dumps({"type": "generate", "id": "x", "prompt": "a" * 70_000}))
+@pytest.mark.parametrize("proto", [JSON, MSGPACK])
+async def test_message_too_big_answers_an_error_and_the_socket_stays_open(server, proto) -> None:
+    """Over max_message_bytes (64 KiB here, stated in `ready`) but under the hard cap
+    (4x): message_too_big naming the request, and the socket goes on serving."""
+    ws, c = await open_client(server, proto)
+    async with ws:
+        assert c.ready["limits"]["max_message_bytes"] == 64 * 1024
+        await c.send({"type": "generate", "id": "huge", "prompt": "a" * 70_000})
+        msg = error_frame(await c.recv(), "message_too_big", "huge")
+        assert "70" in msg and str(64 * 1024) in msg and "max_message_bytes" in msg
+        await c.send({"type": "ping", "t": 1, "pad": "b" * 70_000})  # no valid id: none named
+        error_frame(await c.recv(), "message_too_big")
+        await still_serves(c)
+
+
+async def test_text_frames_are_measured_in_utf8_bytes(server) -> None:
+    """40,000 characters of "é" are 80,000 bytes on the wire: over 64 KiB."""
+    ws, c = await open_client(server, JSON)
+    async with ws:
+        await c.send({"type": "generate", "id": "accents", "prompt": "é" * 40_000})
+        error_frame(await c.recv(), "message_too_big", "accents")
+        await still_serves(c)
+
+
+@pytest.mark.parametrize("proto", [JSON, MSGPACK])
+async def test_over_the_hard_cap_an_error_frame_then_1009(server, proto) -> None:
+    """Past the hard cap the protocol layer refuses to buffer the message: the error
+    frame, in the socket's own encoding, comes just before the 1009 close."""
+    before = error_count(server, "message_too_big")
+    ws, c = await open_client(server, proto)
+    await c.send({"type": "generate", "id": "vast", "prompt": "a" * 300_000})
+    msg = error_frame(await c.recv(), "message_too_big")  # unread, so its id is unknown
+    assert str(4 * 64 * 1024) in msg and "1009" in msg
     with pytest.raises(ConnectionClosed) as info:
-        while True:
-            await c.recv()
+        await c.recv()
     assert info.value.rcvd.code == 1009
+    for _ in range(200):  # counted when the app sees the disconnect
+        if error_count(server, "message_too_big") == before + 1:
+            break
+        await asyncio.sleep(0.01)
+    assert error_count(server, "message_too_big") == before + 1
+
+
+@pytest.mark.parametrize("proto", [JSON, MSGPACK])
+async def test_cancel_of_an_unknown_or_finished_id_is_unknown_id(server, proto) -> None:
+    ws, c = await open_client(server, proto)
+    async with ws:
+        await c.send({"type": "cancel", "id": "never-sent"})
+        msg = error_frame(await c.recv(), "unknown_id", "never-sent")
+        assert "never-sent" in msg
+        await c.send(gen("fin", "Name a color.", max_tokens=2))
+        await c.until_done({"fin"})
+        await c.send({"type": "cancel", "id": "fin"})  # its done is sent: no longer tracked
+        error_frame(await c.recv(), "unknown_id", "fin")
+        await still_serves(c)
+
+
+@pytest.mark.parametrize("proto,frame,message", [
+    (JSON, "not json", "message is not valid JSON: Expecting value at line 1 column 1"),
+    (JSON, '{"type": "ping",\n "t": }',
+     "message is not valid JSON: Expecting value at line 2 column 7"),
+    (JSON, '{"type": "ping"} x', "message is not valid JSON: Extra data at line 1 column 18"),
+    (JSON, b'{"type": "\xff"}', "message is not valid JSON: not UTF-8 text"),
+    (JSON, '["a list"]', "a message must be an object, got an array"),
+    (JSON, '"ping"', "a message must be an object, got a string"),
+    (MSGPACK, '{"type": "ping"}',
+     "the msgpack subprotocol expects binary frames; got a text frame"),
+    (MSGPACK, b"", "message is not valid msgpack: incomplete input"),
+    (MSGPACK, b"\x82\xa4type", "message is not valid msgpack: incomplete input"),
+    (MSGPACK, b"\xc1", "message is not valid msgpack: a byte that starts no msgpack type"),
+    (MSGPACK, msgpack.packb({"type": "ping"}) + b"\x01",
+     "message is not valid msgpack: bytes left over after the first value"),
+    (MSGPACK, msgpack.packb({1: "ping"}),
+     "message is not valid msgpack: map keys must be strings, got a key of type int"),
+    (MSGPACK, b"\xa1\xff", "message is not valid msgpack: a string is not valid UTF-8"),
+    (MSGPACK, msgpack.packb(["a list"]), "a message must be a map, got an array"),
+    (MSGPACK, msgpack.packb(None), "a message must be a map, got nil"),
+])
+async def test_decode_errors_say_what_was_wrong(server, proto, frame, message) -> None:
+    ws, c = await open_client(server, proto)
+    async with ws:
+        await ws.send(frame)
+        assert error_frame(await c.recv(), "invalid_request").startswith(message)
+        await still_serves(c)
 
 
 async def test_msgpack_and_json_give_identical_event_sequences(server) -> None:
@@ -258,7 +359,8 @@ async def test_fuzzed_frames_leave_the_server_healthy(server) -> None:
             if m == {"type": "pong", "t": "after"}:
                 break
         assert all(m["type"] in {"error", "pong", "start", "delta", "done"} for m in seen)
-        assert all(m["code"] in {"invalid_request", "duplicate_id", "too_many_inflight"}
+        assert all(m["code"] in {"invalid_request", "duplicate_id", "too_many_inflight",
+                                 "unknown_id"}
                    for m in seen if m["type"] == "error")
         await c.send(gen("alive", "Name a color.", max_tokens=4))
         msgs = await c.until_done({"alive"})
@@ -266,18 +368,68 @@ async def test_fuzzed_frames_leave_the_server_healthy(server) -> None:
     await wait_free(server)
 
 
+async def origin_verdict(url: str, origin: str | None) -> int:
+    """101 if a handshake with this Origin (None: no header) is accepted, else its status."""
+    try:
+        async with connect(url, subprotocols=[JSON], origin=origin) as ws:
+            assert json.loads(await ws.recv())["type"] == "ready"
+            return 101
+    except InvalidStatus as e:
+        return e.response.status_code
+
+
 async def test_origin_allow_list_and_idle_timeout(tiny_models) -> None:
     config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
                            allowed_origins=("http://good.example",),
                            limits=Limits(idle_timeout=0.5))
     with run_server(config) as s:
-        with pytest.raises(Exception):
-            async with connect(s.ws_url, subprotocols=[JSON], origin="http://evil.example") as ws:
-                await ws.recv()
+        assert await origin_verdict(s.ws_url, "http://evil.example") == 403
+        assert await origin_verdict(s.ws_url, "http://good.example") == 101
+        assert await origin_verdict(s.ws_url, None) == 101  # SDKs, curl: keys guard those
+        assert await origin_verdict(s.ws_url, s.url) == 101  # same-origin (the chat page)
         async with connect(s.ws_url, subprotocols=[JSON], origin="http://good.example") as ws:
             assert json.loads(await ws.recv())["type"] == "ready"
             with pytest.raises(ConnectionClosed):
                 await asyncio.wait_for(ws.recv(), 5)  # closed for idleness, not timed out here
+
+
+async def test_default_origin_policy_is_same_origin_only(server) -> None:
+    """No allowed_origins: a browser page from another origin is refused; one served by
+    this server, and any client that sends no Origin, are not."""
+    port = server.url.rsplit(":", 1)[1]
+    assert await origin_verdict(server.ws_url, None) == 101
+    assert await origin_verdict(server.ws_url, server.url) == 101
+    assert await origin_verdict(server.ws_url, f"HTTP://127.0.0.1:{port}/") == 101
+    assert await origin_verdict(server.ws_url, "http://evil.example") == 403
+    assert await origin_verdict(server.ws_url, f"http://localhost:{port}") == 403  # other host
+    assert await origin_verdict(server.ws_url, "http://127.0.0.1:1") == 403  # other port
+    assert await origin_verdict(server.ws_url, "null") == 403
+
+
+@pytest.mark.parametrize("origin,host,allowed,ok", [
+    (None, "a.example", (), True),
+    ("http://a.example:8000", "a.example:8000", (), True),
+    ("https://a.example", "a.example", (), True),
+    ("https://a.example", "a.example:443", (), True),
+    ("http://a.example", "a.example:8000", (), False),
+    ("http://[::1]:8000", "[::1]:8000", (), True),
+    ("http://b.example", "a.example", (), False),
+    ("http://b.example", None, (), False),
+    ("http://b.example", "a.example", ("*",), True),
+    ("null", "a.example", ("*",), True),
+    ("null", "a.example", (), False),
+    ("http://b.example", "a.example", ("http://b.example",), True),
+    ("http://B.example", "a.example", ("http://b.example:80/",), True),
+    ("https://b.example", "a.example", ("http://b.example",), False),
+    ("http://b.example:8080", "a.example", ("http://b.example",), False),
+    ("http://c.example", "a.example", ("http://b.example",), False),
+    ("http://a.example", "a.example", ("http://b.example",), True),
+    ("http://b.example:bad", "a.example", ("http://b.example",), False),
+])
+def test_origin_allowed_semantics(origin, host, allowed, ok) -> None:
+    from service.origins import origin_allowed
+
+    assert origin_allowed(origin, host, allowed) is ok
 
 
 async def test_graceful_shutdown_drains_then_closes_1001(smollm2_dir) -> None:

@@ -1,0 +1,129 @@
+"""vLLM's utility endpoints, same request and response shapes: POST /tokenize,
+POST /detokenize, GET /version. Errors use OpenAI's error shape, as everywhere."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from service.gateway import Gateway
+from service.openai_api import _body, _inputs, error_response
+from service.protocol import ProtocolError
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "return_token_strs"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tidewire")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
+        return "unknown"
+
+
+async def version(request: Request) -> Response:
+    """GET /version: the package version and what is served (no auth, like /health)."""
+    gw: Gateway = request.app.state.gateway
+    eng = gw.engine.engine
+    return JSONResponse({"version": _version(), "model": gw.config.model_name,
+                         "max_model_len": eng.max_model_len})
+
+
+async def tokenize(request: Request) -> Response:
+    """POST /tokenize {prompt} or {messages, add_generation_prompt?}: the token ids the
+    completion or chat endpoint would feed the model, {count, max_model_len, tokens,
+    token_strs}."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        body = await _request(gw, request, TOKENIZE_FIELDS)
+        ids = _tokenize(gw, body)
+        strs = None
+        if _flag(body, "return_token_strs", False):
+            strs = _tokenizer(gw).convert_ids_to_tokens(ids)
+    except ProtocolError as e:
+        gw.metrics.errors.labels(e.code).inc()
+        return error_response(e)
+    return JSONResponse({"count": len(ids), "max_model_len": gw.engine.engine.max_model_len,
+                         "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(request: Request) -> Response:
+    """POST /detokenize {tokens}: {prompt}, the ids decoded (special tokens kept)."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        body = await _request(gw, request, DETOKENIZE_FIELDS)
+        ids = body.get("tokens")
+        vocab = gw.engine.engine.arch.vocab_size
+        if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ProtocolError("invalid_request", f"tokens must be a list of integers in "
+                                f"[0, {vocab})")
+        text = _tokenizer(gw).decode(ids)
+    except ProtocolError as e:
+        gw.metrics.errors.labels(e.code).inc()
+        return error_response(e)
+    return JSONResponse({"prompt": text})
+
+
+async def _request(gw: Gateway, request: Request, fields: set[str]) -> dict[str, Any]:
+    """Authenticated, a JSON object with known fields only, for the served model."""
+    gw.authenticate(request.headers.get("authorization"))
+    body = await _body(request)
+    unknown = sorted(set(body) - fields)
+    if unknown:
+        raise ProtocolError("invalid_request", f"unknown parameter(s): {', '.join(unknown)}")
+    model = body.get("model") or gw.config.model_name
+    if model != gw.config.model_name:
+        raise ProtocolError("model_not_found", f"model {model!r} is not served here")
+    return body
+
+
+def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:
+    """Through the engine, as the endpoints do: a prompt without special tokens (what
+    /v1/completions feeds the model), messages through the chat template. With
+    add_special_tokens the tokenizer adds its own (BOS...) around the text, as vLLM."""
+    eng = gw.engine.engine
+    if ("prompt" in body) == ("messages" in body):
+        raise ProtocolError("invalid_request", "send either prompt or messages")
+    special = _flag(body, "add_special_tokens", False)
+    try:
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise ProtocolError("invalid_request", "prompt must be a string")
+            if special:
+                return list(_tokenizer(gw).encode(prompt, add_special_tokens=True))
+            return eng.tokenize(prompt)
+        messages = _inputs(body, chat=True)[1]
+        generation = _flag(body, "add_generation_prompt", True)
+        if special:  # the rendered conversation, encoded as a prompt is
+            text = _tokenizer(gw).apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=generation)
+            return list(_tokenizer(gw).encode(text, add_special_tokens=True))
+        return eng.apply_chat_template(messages, generation)
+    except ProtocolError:
+        raise
+    except ValueError as e:
+        raise ProtocolError("invalid_request", str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a template error is the client's input
+        raise ProtocolError("invalid_request", f"cannot apply the chat template: {e}") from None
+
+
+def _tokenizer(gw: Gateway) -> Any:
+    tok = gw.engine.tokenizer
+    if tok is None:
+        raise ProtocolError("invalid_request", "this model has no tokenizer")
+    return tok
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ProtocolError("invalid_request", f"{name} must be a boolean")
+    return value
