@@ -87,6 +87,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="answers per question and setting, seeds 0..N-1 (default: 8)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="tokens per answer (default: 64)")
+    p.add_argument("--settings", default=None,
+                   help="settings to judge instead of the built-in list, e.g. "
+                        "'temperature=0;temperature=0.3,top_p=0.9'")
+
+
+def parse_settings(text: str) -> list[dict[str, float]]:
+    """'a=1,b=2;c=3' -> [{'a': 1.0, 'b': 2.0}, {'c': 3.0}]"""
+    return [{k.strip(): float(v) for k, v in (kv.split("=") for kv in part.split(","))}
+            for part in text.split(";") if part.strip()]
 
 
 def main(a: argparse.Namespace) -> int:
@@ -95,7 +104,7 @@ def main(a: argparse.Namespace) -> int:
     with LLM(model=a.model, kv_tier="none") as llm:
         print(f"{len(JUDGED)} questions x {a.samples} samples, {a.max_tokens} tokens max")
         print(f"{'setting':<36} {'correct':>8} {'looping':>8} {'tokens':>7} {'s':>6}")
-        for setting in CANDIDATES:
+        for setting in parse_settings(a.settings) if a.settings else CANDIDATES:
             t0 = time.monotonic()
             s = judge(llm, setting, a.samples, a.max_tokens)
             name = ", ".join(f"{k}={v}" for k, v in setting.items())

@@ -134,7 +134,7 @@ class AsyncEngine:
     Every torch op, loading included, runs on the engine thread. (With GNU OpenMP, once
     another thread has run a parallel region its idle worker keeps spinning on a core,
     and the engine's own parallel regions then ran 4-10x slower on this 2-core machine;
-    see README.md, "Performance notes".)"""
+    see docs/performance.md.)"""
 
     def __init__(self, config: EngineConfig, handoff: float = 0.005) -> None:
         """`handoff`: after publishing a step, the engine thread waits up to this many

@@ -196,7 +196,9 @@ class LoadingGate:
     def _gated(self, scope: dict) -> bool:
         if scope["path"] in self.OPEN:
             return False
-        return any(r.matches(scope)[0] is not Match.NONE for r in self.app.router.routes)
+        # endpoints, not the page's files (a Mount: /sdk serves the page's script)
+        return any(r.matches(scope)[0] is not Match.NONE for r in self.app.router.routes
+                   if isinstance(r, (Route, WebSocketRoute)))
 
 
 def create_app(config: ServiceConfig) -> RawSend:

@@ -394,7 +394,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
 
     lim = p.add_argument_group("service limits")
     env_arg(lim, "--max-connections", "MAX_CONNECTIONS", type=int, default=1024,
-            help="open WebSocket connections; beyond it a handshake is refused")
+            help="open WebSocket connections; beyond it a new socket is closed with 1013 "
+                 "(try again later) right after its handshake")
     env_arg(lim, "--max-inflight-per-connection", "MAX_INFLIGHT_PER_CONNECTION", type=int,
             default=64, help="unfinished requests one WebSocket connection may have")
     env_arg(lim, "--max-inflight-per-key", "MAX_INFLIGHT_PER_KEY", type=int, default=256,

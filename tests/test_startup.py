@@ -193,7 +193,9 @@ def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) ->
         code, err, headers = _post(url + "/v1/completions", {"prompt": [5], "max_tokens": 1})
         assert code == 503 and err["error"]["code"] == "loading"
         assert int(headers["Retry-After"]) >= 1
-        assert http_get(url + "/")[0] == 200  # the page loads, and waits for the socket
+        # the page and the SDK it imports load, then wait for the socket
+        assert http_get(url + "/")[0] == 200 and http_get(url + "/sdk/index.js")[0] == 200
+        assert http_get(url + "/version")[0] == 503
 
         async def handshake() -> int:
             with pytest.raises(InvalidStatus) as e:

@@ -46,6 +46,7 @@ const BY_CODE = {
   overloaded: OverloadedError,
   slow_consumer: SlowConsumerError,
   internal_error: InternalServerError,
+  unknown_id: BadRequestError,
 };
 
 /** The exception for an `error {id?, code, message, retryable}` frame. */
@@ -390,6 +391,8 @@ export class TidewireClient {
       const key = type === "warmed" ? id : `ping:${frame.t}`;
       this._waiters.get(key)?.resolve(frame);
       this._waiters.delete(key);
+    } else if (type === "resumed") {
+      // nothing to do: _recover registered the stream again; the missed deltas follow
     }
   }
 

@@ -323,6 +323,8 @@ class AsyncClient:
             fut = self._waiters.pop(key, None)  # type: ignore[arg-type]
             if fut is not None and not fut.done():
                 fut.set_result(frame)
+        elif kind == "resumed":
+            pass  # _recover registered the stream again; the missed deltas follow
 
     def _abandon(self, rid: str) -> None:
         """Forget a stream and cancel it on the server (callable without awaiting)."""

@@ -28,7 +28,8 @@ class AuthenticationError(APIError):
 
 class BadRequestError(APIError):
     """The request is invalid as sent: `invalid_request`, `duplicate_id`,
-    `context_length_exceeded`, `message_too_big`."""
+    `context_length_exceeded`, `message_too_big`, `unknown_id` (a cancel of an id that
+    is not in flight)."""
 
 
 class NotFoundError(BadRequestError):
@@ -70,6 +71,7 @@ _BY_CODE = {
     "overloaded": OverloadedError,
     "slow_consumer": SlowConsumerError,
     "internal_error": InternalServerError,
+    "unknown_id": BadRequestError,
 }
 
 

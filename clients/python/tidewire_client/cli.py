@@ -17,7 +17,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--api-key", default=os.environ.get("TIDEWIRE_API_KEY"))
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="default: the model's (the server's ready frame lists it)")
     a = p.parse_args(argv)
     history: List[Dict[str, str]] = [{"role": "system", "content": a.system}] if a.system else []
     with Client(a.url, api_key=a.api_key) as client:
@@ -42,7 +43,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _answer(client: Client, history: List[Dict[str, str]], a: argparse.Namespace) -> str:
     parts: List[str] = []
-    stream = client.chat.stream(history, max_tokens=a.max_tokens, temperature=a.temperature)
+    sampling = {} if a.temperature is None else {"temperature": a.temperature}
+    stream = client.chat.stream(history, max_tokens=a.max_tokens, **sampling)
     try:
         for text in stream.text_stream():
             parts.append(text)
