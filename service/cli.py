@@ -304,6 +304,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except OSError as e:
         print(f"tidewire: error: {e.strerror}", file=sys.stderr)
         return 2
+    with sock:  # closed however the server ends (or fails to start)
+        return _serve_on(sock, a)
+
+
+def _serve_on(sock: Any, a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("tidewire").info("listening on http://%s:%d (loading the model)",
                                        a.host, a.port)
@@ -424,12 +429,10 @@ def _size(n: int) -> str:
 
 def models_text() -> str:
     """The registry, what each entry is and whether it is converted here, and what else
-    `--model` takes. Cheap: stats files, imports neither the weights' packages nor torch
-    (hence the cache and package lookups here rather than engine.loader's, same rules)."""
-    import importlib.util
-    from pathlib import Path
+    `--model` takes. Cheap: stats files, imports neither the weights' packages nor torch."""
+    from engine.registry import cache_root, converted_dir, gguf_path
 
-    cache = Path(_env("CACHE") or Path.home() / ".cache" / "tidewire")
+    cache = cache_root()
     default = _env("MODEL", DEFAULT_MODEL)
     lines = ["Registry models (--model NAME):", ""]
     for name, src in REGISTRY.items():
@@ -437,9 +440,11 @@ def models_text() -> str:
         lines.append(f"  {name}{tag}")
         lines.append(f"    model:     {src.model_id}")
         pip = src.package.replace("_", "-")
-        spec = importlib.util.find_spec(src.package)
-        gguf = Path(spec.origin).parent / src.filename if spec and spec.origin else None
-        if gguf is not None and gguf.exists():
+        try:
+            gguf = gguf_path(src)
+        except FileNotFoundError:
+            gguf = None
+        if gguf is not None:
             lines.append(f"    weights:   {src.filename}, {_size(gguf.stat().st_size)}, from the "
                          f"pip package {pip} (installed)")
         else:
@@ -449,10 +454,11 @@ def models_text() -> str:
         if sampling:
             lines.append("    sampling:  " + ", ".join(f"{k} {v:g}" for k, v in sampling.items())
                          + " (for requests that leave them unset)")
-        done = sorted(cache.glob(f"{name}-*/model.safetensors"))
-        lines.append(f"    local:     converted, {done[-1].parent}" if done else
+        local = converted_dir(name, gguf, cache) if gguf is not None else None
+        lines.append(f"    local:     converted, {local}"
+                     if local is not None and (local / "model.safetensors").exists() else
                      "    local:     not converted yet (the first load dequantizes it once, "
-                     "about a minute)")
+                     "about 20 s)")
         lines.append("")
     lines += [
         "--model also takes:",

@@ -13,10 +13,12 @@ def listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # listening now makes the check atomic (two binds with SO_REUSEADDR both succeed
+        # until one listens) and queues early clients rather than refusing them
+        sock.listen(2048)
     except OSError as e:
         sock.close()
         hint = " (another server is running there? pick another with --port)" if (
             e.errno == errno.EADDRINUSE) else ""
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
-    sock.set_inheritable(True)
     return sock

@@ -15,7 +15,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import SamplingParams
-from engine.detokenizer import byte_level_table
 from engine.outputs import CompletionOutput, RequestOutput
 from service.gateway import Admission, Gateway, Principal
 from service.protocol import ProtocolError
@@ -146,15 +145,15 @@ async def _complete(request: Request, chat: bool) -> Response:
         if model != gw.config.model_name:
             raise ProtocolError("model_not_found", f"model {model!r} is not served here")
         params = sampling_params(body, chat, gw.sampling_defaults)
+        # chat logprobs carry each token's bytes (the table was built when the model loaded)
+        table = (gw.engine.engine.byte_table(False)
+                 if chat and params.logprobs is not None else None)
         jobs = _submit_all(gw, principal, params, body, chat)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
     meta = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "model": gw.config.model_name}
-    # chat logprobs carry each token's bytes: the table is built once, off the loop
-    lp_chat = chat and params.logprobs is not None
-    table = await _byte_table(gw.engine.tokenizer) if lp_chat else None
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_sse(gw, jobs, meta, chat, include_usage, table),
@@ -317,20 +316,6 @@ def _usage(jobs: list[_Job]) -> dict[str, Any]:
 
 def _finish(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "stop", "error": "error"}.get(reason or "")
-
-
-_BYTE_TABLE: list[Any] = [None, None]  # [tokenizer, its byte table]: the one model served
-
-
-async def _byte_table(tok: Any) -> list[bytes] | None:
-    """Each token id's raw bytes, for logprobs' `bytes`: a token can hold part of a
-    UTF-8 character, which its decoded text (U+FFFD) cannot give back. None when the
-    tokenizer is not byte-level: bytes then come from the token's text."""
-    if tok is None:
-        return None
-    if _BYTE_TABLE[0] is not tok:  # ~80 ms for a 49k vocabulary: once, in a thread
-        _BYTE_TABLE[:] = [tok, await asyncio.to_thread(byte_level_table, tok, False)]
-    return _BYTE_TABLE[1]
 
 
 def _text(tok: Any, token_id: int) -> str:

@@ -142,7 +142,9 @@ def parse_generate(msg: dict[str, Any], defaults: dict[str, Any] | None = None) 
     if not isinstance(params, dict):
         raise ProtocolError("invalid_request", "params must be an object", rid)
     try:
-        sp = SamplingParams.from_dict({**(defaults or {}), **params})
+        # null means "unset", as over HTTP: the default (or the field's own) applies
+        given = {k: v for k, v in params.items() if v is not None}
+        sp = SamplingParams.from_dict({**(defaults or {}), **given})
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e), rid) from None
     return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp)

@@ -371,12 +371,14 @@ class Session:
 
     def _too_big(self, data: bytes | str) -> ProtocolError:
         """message_too_big, naming the message's request when it has a valid id, so that
-        an SDK fails that request rather than waiting on it. Parsing it anyway is bounded:
-        past the server's hard cap (service.server) it never reaches us."""
+        an SDK fails that request rather than waiting on it. The id is looked for only in
+        a message up to twice the limit: decoding megabytes on the event loop stalls
+        every stream's fan-out, and a client could repeat it at will."""
         rid = None
-        with contextlib.suppress(ProtocolError):
-            rid = request_id(self.codec.decode(data))
         size = len(data.encode()) if isinstance(data, str) else len(data)
+        if size <= 2 * self.limits.max_message_bytes:
+            with contextlib.suppress(ProtocolError):
+                rid = request_id(self.codec.decode(data))
         return ProtocolError("message_too_big",
                              f"message of {size} bytes is over max_message_bytes "
                              f"({self.limits.max_message_bytes}, in the ready frame's limits)",

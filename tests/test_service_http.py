@@ -284,15 +284,27 @@ def test_cors_follows_allowed_origins(tiny_server, server) -> None:
     _, h, _ = http(tiny_server.url + "/v1/completions", "POST", body, {"Origin": ORIGIN})
     assert h["access-control-allow-origin"] == ORIGIN and "retry-after" in h[
         "access-control-expose-headers"].lower()
-    _, h, _ = http(tiny_server.url + "/v1/completions", "POST", body,
-                   {"Origin": "https://evil.example"})
-    assert "access-control-allow-origin" not in h
+    # a refused origin's request does not run at all (CORS alone would only hide the
+    # answer; a text/plain POST needs no preflight)
+    gw, submitted = tiny_server.gateway, []
+    submit = gw.submit
+    gw.submit = lambda *a, **k: (submitted.append(a), submit(*a, **k))[1]
+    try:
+        status, h, out = http(tiny_server.url + "/v1/completions", "POST", body,
+                              {"Origin": "https://evil.example", "Content-Type": "text/plain"})
+    finally:
+        gw.submit = submit
+    assert status == 403 and "access-control-allow-origin" not in h
+    assert error_of(out)["code"] == "origin_not_allowed" and submitted == []
     # the default (no origins listed): same-origin only, nothing granted to any other
     status, h = _preflight(server.url, ORIGIN)
     assert status >= 400 and "access-control-allow-origin" not in h
-    _, h, _ = http(server.url + "/v1/models", headers={"Origin": ORIGIN,
-                                                       "Authorization": "Bearer key-a"})
-    assert "access-control-allow-origin" not in h
+    status, h, _ = http(server.url + "/v1/models", headers={"Origin": ORIGIN,
+                                                            "Authorization": "Bearer key-a"})
+    assert status == 403 and "access-control-allow-origin" not in h
+    # same-origin (the Origin is the server's own address): the page's own requests
+    assert http(server.url + "/v1/models", headers={"Origin": server.url,
+                                                    "Authorization": "Bearer key-a"})[0] == 200
 
 
 def test_cors_wildcard_and_websockets_pass_through(tiny_models) -> None:
@@ -437,14 +449,15 @@ def test_completions_token_id_prompts(tiny_server) -> None:
     assert [ch.index for ch in r.choices] == list(range(6))
     assert all(ch.finish_reason == "length" for ch in r.choices)
     assert r.usage.prompt_tokens == 8 and r.usage.completion_tokens == 6 * 4
-    done = {}
+    done, usage = {}, []
     for part in c.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
         for ch in part.choices:
             if ch.finish_reason:
                 done[ch.index] = ch.finish_reason
         if part.usage:
-            assert part.usage.completion_tokens == 6 * 4
+            usage.append(part.usage.completion_tokens)
     assert done == {i: "length" for i in range(6)}
+    assert usage == [6 * 4]  # one usage chunk, summed over the prompts
     for bad in [[], [[]], [5, "a"], [[5], "a", [7.5]], [True]]:
         with pytest.raises(openai.BadRequestError, match="prompt"):
             c.completions.create(model="tiny", prompt=bad, max_tokens=2)

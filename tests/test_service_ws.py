@@ -245,6 +245,9 @@ async def test_message_too_big_answers_an_error_and_the_socket_stays_open(server
         assert "70" in msg and str(64 * 1024) in msg and "max_message_bytes" in msg
         await c.send({"type": "ping", "t": 1, "pad": "b" * 70_000})  # no valid id: none named
         error_frame(await c.recv(), "message_too_big")
+        # over twice the limit: not decoded (the loop's time), so no id even with one
+        await c.send({"type": "generate", "id": "huger", "prompt": "a" * 140_000})
+        error_frame(await c.recv(), "message_too_big")
         await still_serves(c)
 
 
@@ -252,8 +255,11 @@ async def test_text_frames_are_measured_in_utf8_bytes(server) -> None:
     """40,000 characters of "é" are 80,000 bytes on the wire: over 64 KiB."""
     ws, c = await open_client(server, JSON)
     async with ws:
-        await c.send({"type": "generate", "id": "accents", "prompt": "é" * 40_000})
-        error_frame(await c.recv(), "message_too_big", "accents")
+        # sent as raw UTF-8 (no \u escapes): 40,000 characters, 80,000 bytes
+        await ws.send(json.dumps({"type": "generate", "id": "accents", "prompt": "é" * 40_000},
+                                 ensure_ascii=False))
+        msg = error_frame(await c.recv(), "message_too_big", "accents")
+        assert "of 80051 bytes" in msg  # 80,000 + the 51 bytes around the prompt
         await still_serves(c)
 
 

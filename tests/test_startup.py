@@ -107,7 +107,8 @@ async def test_unset_fields_take_the_model_defaults_over_http_and_websocket(
             assert ready["sampling_defaults"] == {"temperature": 0.0, "top_k": 3}
             runs = []
             for i, params in enumerate([{"max_tokens": 12}, {"max_tokens": 12},
-                                        {"max_tokens": 12, "temperature": 0.0, "top_k": 0}]):
+                                        {"max_tokens": 12, "temperature": 0.0, "top_k": 0},
+                                        {"max_tokens": 12, "temperature": None}]):
                 await ws.send(json.dumps({"type": "generate", "id": f"r{i}",
                                           "prompt_token_ids": prompt, "params": params}))
                 ids = []
@@ -115,7 +116,8 @@ async def test_unset_fields_take_the_model_defaults_over_http_and_websocket(
                     ids += f.get("token_ids", []) if f["type"] == "delta" else []
                 runs.append(ids)
         assert (seen[2].temperature, seen[2].top_k) == (0.0, 3)
-        assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 12  # greedy by default
+        assert (seen[5].temperature, seen[5].top_k) == (0.0, 3)  # null means unset, as on HTTP
+        assert runs[0] == runs[1] == runs[2] == runs[3] and len(runs[0]) == 12  # greedy
 
 
 async def test_sampling_defaults_none_keeps_openai_defaults(tiny_models, tmp_path: Path) -> None:
@@ -158,6 +160,20 @@ def test_a_port_in_use_fails_at_once_with_a_clear_message() -> None:
     assert took < 10, took
 
 
+def test_two_servers_cannot_both_hold_a_port() -> None:
+    from service.net import listen
+
+    first = listen("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            listen("127.0.0.1", port)  # SO_REUSEADDR lets a bind through; listen() does not
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # queued by the backlog before any server accepts
+    finally:
+        first.close()
+
+
 def test_a_model_that_fails_to_load_stops_the_server_with_status_1(tmp_path: Path) -> None:
     bad = tmp_path / "broken"
     bad.mkdir()
@@ -184,7 +200,9 @@ def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) ->
     thread.start()
     url = f"http://127.0.0.1:{port}"
     try:
-        status, body = _poll(lambda: http_get(url + "/health"))
+        # polled until the engine thread is inside its first phase (which blocks)
+        status, body = _poll(lambda: (r := http_get(url + "/health")) and json.loads(
+            r[1]).get("progress", {}).get("phase") and r)
         health = json.loads(body)
         assert status == 503 and health["status"] == "loading"
         assert health["progress"]["phase"].startswith("model files")
@@ -192,7 +210,7 @@ def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) ->
         assert status == 503 and json.loads(body)["ready"] is False
         code, err, headers = _post(url + "/v1/completions", {"prompt": [5], "max_tokens": 1})
         assert code == 503 and err["error"]["code"] == "loading"
-        assert int(headers["Retry-After"]) >= 1
+        assert headers["Retry-After"] == "2"  # no earlier start of this setup: no estimate
         # the page and the SDK it imports load, then wait for the socket
         assert http_get(url + "/")[0] == 200 and http_get(url + "/sdk/index.js")[0] == 200
         assert http_get(url + "/version")[0] == 503
@@ -217,6 +235,36 @@ def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) ->
         release.set()
         server.should_exit = True
         thread.join(30)
+    assert not thread.is_alive()
+
+
+def _engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tidewire-engine"]
+
+
+def test_stopping_while_the_model_loads_leaves_no_engine_behind(tiny_models, monkeypatch
+                                                                 ) -> None:
+    release, entered = threading.Event(), threading.Event()
+    real = engine.llm_engine.resolve_model
+
+    def slow_resolve(name: str) -> Path:
+        entered.set()
+        assert release.wait(60)
+        return real(name)
+
+    monkeypatch.setattr(engine.llm_engine, "resolve_model", slow_resolve)
+    before = set(_engine_threads())
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama"))),
+                           shutdown_grace=0.2)
+    server = build_server(config, "127.0.0.1", free_port(), log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert entered.wait(60)
+    server.should_exit = True  # Ctrl-C while loading: the server stops without waiting
+    thread.join(30)
+    assert not thread.is_alive()
+    release.set()  # the load completes; nobody will use the engine, so its thread ends
+    _poll(lambda: not (set(_engine_threads()) - before))
 
 
 def test_load_progress_remembers_the_last_start(tmp_path: Path) -> None:
