@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import PagedMetadata
+from engine.attention.base import PagedMetadata
 from engine.model import CpuOps, Int8Linear, Linear, LlamaModel
 
 Matmul = Linear | Int8Linear

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention_triton import SPLIT_K_MIN_CONTEXT, TritonMetadata
+from engine.attention.triton import SPLIT_K_MIN_CONTEXT, TritonMetadata
 
 Forward = Callable[[torch.Tensor, torch.Tensor, object, torch.Tensor], torch.Tensor]
 

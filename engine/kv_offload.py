@@ -47,33 +47,6 @@ _STAGING_BYTES = 64 << 20
 _LOOKUP_WAIT_PER_STEP = 0.002
 
 
-def tune_malloc() -> bool:
-    """glibc only: serve allocations up to 32 MB (glibc's ceiling for this setting) from
-    the heap and keep up to 256 MB of freed heap instead of returning it to the OS at
-    once.
-
-    A tier load receives tens of MB of ~0.4 MB values on the I/O thread. With glibc's
-    defaults each of those buffers was a fresh mmap (or a fresh per-thread arena) whose
-    pages faulted in on first touch: a 46 MB Redis load took 220-340 ms inside the
-    engine process against 30-50 ms with the heap serving them. The ceiling was 1 MB
-    until it showed a price of its own: fixing the threshold turns off glibc's dynamic
-    one, and then every larger per-step buffer (the CPU backend's logits, 6-12 MB at
-    batch 64 over a 49k vocabulary) was a fresh mapping too, ~500k page faults and
-    1.5 s of system time per chat-64 run on the CPU (1.3k faults at 32 MB). Process-wide,
-    so applied once, when a host tier is configured. Returns whether it was applied."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
-
-
 def kv_fingerprint(model_id: str, weights_checksum: str, kv_dtype: str, block_size: int,
                    num_layers: int, num_kv_heads: int, head_dim: int) -> bytes:
     """sha256 over everything that decides a block's bytes, with length-prefixed fields
@@ -131,7 +104,6 @@ class KVOffload:
     def __init__(self, tier: KVTier, config: TierConfig, kv: KVCacheManager,
                  runner: ModelRunner, fingerprint: bytes) -> None:
         self.tier, self.config, self.kv, self.runner = tier, config, kv, runner
-        tune_malloc()
         self.fingerprint = fingerprint
         self.shape = runner.block_shape()
         self.dtype = runner.kv_caches[0][0].dtype

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine.config import CacheConfig, SchedulerConfig, TierConfig
+from engine import runtime
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import DEFAULT_MODEL
 from engine.outputs import CompletionOutput, RequestOutput
@@ -50,6 +51,7 @@ class LLM:
         `params=None`, generate() uses the model's default sampling (default_params()).
         Call close() (or use
         `with LLM(...) as llm`) to flush the cached blocks to the tier at the end."""
+        runtime.tune_malloc()  # an entry point: the process's allocator, once
         self.config = EngineConfig(
             model=model, dtype=dtype, attention_backend=attention_backend,
             cache=CacheConfig(block_size, num_kv_blocks or 0, enable_prefix_caching),

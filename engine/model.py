@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend
+from engine.attention.base import AttentionBackend
 from engine.quant import dequantize_int8, linear_weight_names, quantized
 from kernels import cpu_ops
 from kernels import reference as ref

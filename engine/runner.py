@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import PrefillSpec, StepLayout, get_backend
+from engine.attention.base import PrefillSpec, StepLayout, get_backend
 from engine.cpu_step import CpuDecodeStep
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel, ModelArch

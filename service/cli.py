@@ -16,14 +16,11 @@ import sys
 import textwrap
 from typing import Any, Callable
 
-# Read by GNU OpenMP when torch loads it, so set before the first torch import. libgomp's
-# default (300,000 spins) keeps an idle worker spinning for milliseconds after each of the
-# engine's parallel regions: on a small machine that steals the core the event loop
-# needs to fan a step's deltas out (and the clients to read them). ~10,000 spins still
-# bridge the short gaps between one step's ops (throughput unchanged within noise).
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+from engine import runtime
 
-from engine.registry import DEFAULT_MODEL, REGISTRY  # noqa: E402 - after GOMP_SPINCOUNT
+runtime.tune_openmp()  # before anything imports torch
+
+from engine.registry import DEFAULT_MODEL, REGISTRY  # noqa: E402 - after tune_openmp
 
 ENV_PREFIX = "TIDEWIRE_"
 _TRUE = ("1", "true", "yes", "on")
@@ -316,7 +313,7 @@ def _serve_on(sock: Any, a: argparse.Namespace) -> int:
     from service.config import Limits, ServiceConfig
     from service.server import build_server
 
-    sys.setswitchinterval(a.switch_interval)
+    runtime.tune_gil(a.switch_interval)
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, attention_backend=a.attention_backend,
         cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, a.prefix_caching),
@@ -389,7 +386,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
             help="on a GPU, send each step's outputs before the next step starts rather than "
                  "once its decode graph is running (lower latency per delta, lower "
                  "throughput with many streams)")
-    env_arg(e, "--switch-interval", "SWITCH_INTERVAL", type=float, default=0.0005,
+    env_arg(e, "--switch-interval", "SWITCH_INTERVAL", type=float, default=runtime.SWITCH_INTERVAL,
             metavar="SECONDS",
             help="Python's GIL switch interval (sys.setswitchinterval): the engine thread "
                  "gives up the GIL in every torch op and must get it back at once; Python's "
@@ -541,6 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    runtime.tune_malloc()
     try:
         return a.func(a)
     except (ValueError, FileNotFoundError) as e:

@@ -124,14 +124,18 @@ def test_redis_tier_stores_with_ttl_nx_and_refreshes_on_hits(redis_server) -> No
 
 def test_redis_down_is_a_miss_counted_and_the_breaker_recovers() -> None:
     server = RedisServer()  # not started yet: nothing listens on its port
-    t = RedisTier(server.url, timeout=0.3, breaker=CircuitBreaker(threshold=2, cooldown=0.3))
+    now = [0.0]  # the breaker's clock, moved by hand
+    t = RedisTier(server.url, timeout=0.3,
+                  breaker=CircuitBreaker(threshold=2, cooldown=5.0, clock=lambda: now[0]))
     assert t.lookup(["a", "b"]) == 0
     assert t.get_many(["a"]) == [None]
     assert t.stats.errors == 2 and t.state() == "breaker_open"
     assert t.put_many([("a", b"1")]) == 0 and t.stats.errors == 2  # skipped while open
     server.start()
     try:
-        time.sleep(0.35)  # cooldown over: the next call is the trial
+        now[0] += 4.9
+        assert t.put_many([("a", b"1")]) == 0 and t.state() == "breaker_open"  # still cooling
+        now[0] += 0.2  # cooldown over: the next call is the trial
         assert t.put_many([("a", b"1")]) == 1 and t.state() == "ok"
         assert t.get_many(["a"]) == [b"1"]
         server.stop()  # dies while in use

@@ -318,7 +318,7 @@ def test_engine_on_cuda_matches_cpu_backend_and_hf(tiny_models, head_dim: int) -
     import random
 
     from engine import LLM, SamplingParams
-    from engine.attention_triton import SPLIT_K_MIN_CONTEXT
+    from engine.attention.triton import SPLIT_K_MIN_CONTEXT
     from tests.conftest import hf_greedy
 
     path = tiny_models("llama", 0, head_dim=head_dim, max_position_embeddings=4096)

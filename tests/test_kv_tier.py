@@ -414,14 +414,14 @@ def test_a_tier_miss_is_admitted_without_a_loading_round(tiny_models, redis_serv
 
 
 def test_malloc_tuning_serves_tier_values_and_step_buffers_from_the_heap() -> None:
-    """With a host tier the engine tunes glibc's malloc (tune_malloc) so that ~0.4 MB tier
+    """Entry points tune glibc's malloc (engine.runtime.tune_malloc) so that ~0.4 MB tier
     values and multi-MB per-step buffers (the CPU backend's logits) are reused from the
     heap: allocated and freed again and again they fault no pages in after the first
     time. (With the threshold at 1 MB, every 12 MB buffer was a fresh mapping: ~3k page
     faults each.) A fresh interpreter, so that no earlier test's heap can serve them."""
     code = textwrap.dedent("""
         import resource, numpy as np
-        from engine.kv_offload import tune_malloc
+        from engine.runtime import tune_malloc
         if not tune_malloc():
             print("skip")
             raise SystemExit

@@ -1,95 +1,19 @@
-"""Attention backends over the paged KV cache.
-
-A backend owns its cache layout and computes attention for one flattened step: the
-rows of all decodes first (one query token each, sorted by context length, longest
-first), then the prefill chunks (several query tokens each, possibly after cached
-context). The runner describes the step once in a backend-neutral `StepLayout`; the
-backend turns it into its own metadata, which every layer reuses.
+"""The `cpu` attention backend: the compiled paged-attention kernel of
+kernels/cpu_ops.py, or, where it does not build, a torch fallback (SDPA over gathered
+cache blocks). The backend-neutral parts are in engine/attention/base.py.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.attention.base import AttentionBackend, PagedMetadata, PrefillSpec, StepLayout
 from kernels import cpu_ops
 
 PAGED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what the compiled kernel takes
-
-
-@dataclass
-class PrefillSpec:
-    q_start: int  # first row of this sequence's queries in the flat batch
-    q_len: int  # query tokens this step
-    ctx_len: int  # tokens of context after this step (cached + new)
-    block_ids: list[int]  # blocks covering the ctx_len tokens
-
-
-@dataclass
-class StepLayout:
-    """Backend-neutral description of a step, built on the host by the runner."""
-
-    slot_mapping: list[int]  # row i's K/V go to block_id * block_size + offset
-    decode_seq_lens: list[int]  # rows [0, num_decodes), non-increasing
-    decode_block_ids: list[list[int]]
-    prefills: list[PrefillSpec]
-
-
-class AttentionBackend(ABC):
-    """Interface: a cache layout, metadata, a cache write and paged attention."""
-
-    name = "abstract"
-    # Whether the model should also run the fused Triton RMSNorm / RoPE / SiLU-mul.
-    fused_ops = False
-    # Where the weights, the KV cache and the step's tensors live (sampling stays on
-    # the CPU: the logits rows come back once per step).
-    device = "cpu"
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float32):
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.dtype = dtype  # the KV cache's dtype
-        self.block_size = block_size
-        self.group = num_heads // num_kv_heads
-        self.scale = head_dim**-0.5
-
-    @abstractmethod
-    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's K (and V) cache tensor for `num_blocks` blocks."""
-
-    @abstractmethod
-    def build_metadata(self, layout: StepLayout) -> object:
-        """Tensors this backend needs for the step, built once and shared by all layers."""
-
-    @abstractmethod
-    def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: object) -> None:
-        """Store this step's k, v [num_tokens, kv_heads, head_dim] at their slots."""
-
-    @abstractmethod
-    def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """Whole blocks of every layer's K and V, from the model's cache `kv` [layers, 2,
-        *cache_shape], in the canonical layout [len(block_ids), layers, 2, block_size,
-        kv_heads, head_dim] (what the host tier stores, whatever this backend's cache
-        layout). One gather for all layers into a new tensor, never a view of the cache
-        (later writes to the cache leave it alone); the result may be a permuted view of
-        that tensor."""
-
-    @abstractmethod
-    def scatter_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,
-                       data: torch.Tensor) -> None:
-        """The inverse of gather_blocks: store whole blocks given in the canonical layout
-        (on the cache's device)."""
-
-    @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: object) -> torch.Tensor:
-        """Causal paged attention of q [num_tokens, heads, head_dim] over each row's
-        context (k, v: this step's rows, already written to the cache); returns
-        [num_tokens, heads, head_dim]."""
 
 
 def bucket_decodes(num_blocks: list[int], min_rows: int = 8, ratio: float = 0.5,
@@ -134,17 +58,6 @@ class CpuMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     decodes: list[DecodeBucket]
     prefills: list[CpuPrefill]
-
-
-@dataclass
-class PagedMetadata:
-    """The compiled kernel's view of a step: every sequence (decodes, then prefill chunks)
-    in one ragged batch (kernels.cpu_ops.paged_attention)."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] int64
-    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor  # [num_seqs] int32: context after this step
-    query_start: torch.Tensor  # [num_seqs + 1] int32
 
 
 class CpuAttention(AttentionBackend):
@@ -308,18 +221,3 @@ class CpuAttention(AttentionBackend):
         o = self._sdpa(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                        p.mask, causal=p.block_ids is None)
         return o[0].transpose(0, 1)
-
-
-BACKENDS = ("cpu", "cuda", "triton-interpret")
-
-
-def get_backend(name: str) -> type[AttentionBackend]:
-    """cpu (torch, tuned for CPUs), cuda (Triton kernels), triton-interpret (the Triton
-    kernels under Triton's interpreter, on the CPU: slow, for tests)."""
-    if name == "cpu":
-        return CpuAttention
-    if name in ("cuda", "triton-interpret"):
-        from engine.attention_triton import TritonAttention, TritonInterpretAttention
-
-        return TritonAttention if name == "cuda" else TritonInterpretAttention
-    raise ValueError(f"unknown attention_backend {name!r}; choose from {list(BACKENDS)}")

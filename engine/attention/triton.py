@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionBackend, StepLayout
+from engine.attention.base import AttentionBackend, StepLayout
 
 # A decode-only step whose longest context reaches this many tokens splits each
 # sequence's keys into partitions (flash-decoding): few long sequences would otherwise

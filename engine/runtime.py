@@ -1,0 +1,55 @@
+"""Process-wide tuning, in one place. Entry points apply it (the command line, the
+offline LLM class); engine and service code never change process state on their own.
+Each setting says what it was measured to fix (numbers in docs/performance.md)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# libgomp's default (300,000 spins) keeps an idle worker spinning for milliseconds after
+# each of the engine's parallel regions: on a small machine that steals the core the
+# event loop needs to fan a step's deltas out. ~10,000 spins still bridge the gaps
+# between one step's ops (throughput unchanged within noise).
+GOMP_SPINCOUNT = "10000"
+# The engine thread gives up the GIL in every torch op and must get it back at once;
+# the default 5 ms switch interval let the event loop hold it that long per op.
+SWITCH_INTERVAL = 0.0005
+
+
+def tune_openmp() -> None:
+    """Read by GNU OpenMP when torch loads it: call before the first torch import. A
+    value the user set is kept."""
+    os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
+
+
+def tune_gil(interval: float = SWITCH_INTERVAL) -> None:
+    """For a server: the engine thread and the event loop share the GIL."""
+    sys.setswitchinterval(interval)
+
+
+def tune_malloc() -> bool:
+    """glibc only: serve allocations up to 32 MB (glibc's ceiling for this setting) from
+    the heap and keep up to 256 MB of freed heap instead of returning it to the OS at
+    once.
+
+    A tier load receives tens of MB of ~0.4 MB values on the I/O thread. With glibc's
+    defaults each of those buffers was a fresh mmap (or a fresh per-thread arena) whose
+    pages faulted in on first touch: a 46 MB Redis load took 220-340 ms inside the
+    engine process against 30-50 ms with the heap serving them. The ceiling was 1 MB
+    until it showed a price of its own: fixing the threshold turns off glibc's dynamic
+    one, and then every larger per-step buffer (the CPU backend's logits, 6-12 MB at
+    batch 64 over a 49k vocabulary) was a fresh mapping too, ~500k page faults and
+    1.5 s of system time per chat-64 run on the CPU (1.3k faults at 32 MB). Returns
+    whether it was applied."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
