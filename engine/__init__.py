@@ -10,7 +10,7 @@ from typing import Any
 # does not pay for torch
 _EXPORTS = {"AsyncEngine": "engine.async_engine", "CacheConfig": "engine.config",
             "SchedulerConfig": "engine.config", "TierConfig": "engine.config", "LLM": "engine.llm",
-            "EngineConfig": "engine.llm_engine", "LLMEngine": "engine.llm_engine",
+            "EngineConfig": "engine.config", "LLMEngine": "engine.llm_engine",
             "PromptTooLongError": "engine.llm_engine", "RequestOutput": "engine.outputs",
             "StepOutput": "engine.outputs", "SamplingParams": "engine.sampling_params"}
 __all__ = sorted(_EXPORTS)

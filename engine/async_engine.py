@@ -122,10 +122,14 @@ class RequestStream:
 def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
     """Two consecutive deltas of one sample as one."""
     lps = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
-    return StepOutput(a.request_id, a.new_token_ids + b.new_token_ids, a.text_delta + b.text_delta,
-                      b.finished, b.finish_reason, a.index, b.num_prompt_tokens,
-                      b.num_cached_tokens, lps, b.stop_reason, b.error, a.queue_time,
-                      a.sampled_at or b.sampled_at, b.num_host_cached_tokens)
+    return StepOutput(request_id=a.request_id, new_token_ids=a.new_token_ids + b.new_token_ids,
+                      text_delta=a.text_delta + b.text_delta, finished=b.finished,
+                      finish_reason=b.finish_reason, index=a.index,
+                      num_prompt_tokens=b.num_prompt_tokens,
+                      num_cached_tokens=b.num_cached_tokens, logprobs=lps,
+                      stop_reason=b.stop_reason, error=b.error, queue_time=a.queue_time,
+                      sampled_at=a.sampled_at or b.sampled_at,
+                      num_host_cached_tokens=b.num_host_cached_tokens)
 
 
 class AsyncEngine:
@@ -348,8 +352,9 @@ class AsyncEngine:
                     self.engine.add(cmd.request)
                 except ValueError as e:  # e.g. an id still in flight: fail it, keep running
                     r = cmd.request
-                    outs.extend(StepOutput(r.request_id, [], finished=True, finish_reason="error",
-                                           index=i, error=str(e)) for i in range(r.params.n))
+                    outs.extend(StepOutput(request_id=r.request_id, new_token_ids=[],
+                                           finished=True, finish_reason="error", index=i,
+                                           error=str(e)) for i in range(r.params.n))
             elif cmd.op == "abort":
                 outs.extend(self.engine.abort([cmd.request_id]))
             elif cmd.op == "park":
@@ -411,7 +416,8 @@ class AsyncEngine:
         outs = self.engine.abort(self.engine.request_ids(), RequestStatus.FINISHED_ERROR)
         known = {(o.request_id, o.index) for o in outs}
         for rid, stream in list(self._streams.items()):  # e.g. still in the inbox
-            outs += [StepOutput(rid, [], finished=True, finish_reason="error", index=i)
+            outs += [StepOutput(request_id=rid, new_token_ids=[], finished=True,
+                                finish_reason="error", index=i)
                      for i in range(len(stream.output.outputs))
                      if (rid, i) not in known and i not in stream.done_indexes]
         for o in outs:

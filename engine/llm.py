@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import CacheConfig, SchedulerConfig, TierConfig
 from engine import runtime
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loader import DEFAULT_MODEL
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -20,47 +20,27 @@ Prompt = str | list[int]
 class LLM:
     """Run batches of prompts through the engine in this thread."""
 
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        dtype: str = "auto",
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        enable_prefix_caching: bool = True,
-        attention_backend: str = "cpu",
-        kv_cache_memory: int = 1 << 30,
-        max_model_len: int | None = None,
-        seed: int | None = None,
-        debug: bool = False,
-        kv_tier: str = "memory",
-        redis_url: str | None = None,
-        kv_tier_memory: int = 1 << 30,
-        kv_tier_write_through: bool = False,
-        enforce_eager: bool = False,
-        quantization: str = "none",
-        threads: int = 0,
-    ) -> None:
-        """`kv_tier`: where evicted prefix blocks go — "none", "memory" (in this process)
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None,
+                 **overrides: Any) -> None:
+        """Either `LLM(config=EngineConfig(...))`, or the model and flat keyword
+        arguments, each a field of EngineConfig (`dtype`, `seed`, ...) or of one of its
+        sub-configs under its flat name (`block_size`, `num_kv_blocks`, `max_num_seqs`,
+        `kv_tier`, `redis_url`, `kv_tier_ttl`, ...; engine.config.flat_names()); with
+        both, the keywords override the config's fields. An unknown name is a TypeError.
+
+        `kv_tier`: where evicted prefix blocks go — "none", "memory" (in this process)
         or "redis" (memory in front of Redis at `redis_url`; shared by restarts and
         replicas). `enforce_eager`: no CUDA graphs for decode steps. `quantization`:
         "int8" for weight-only int8 linears on the CPU (faster small-batch decode).
         `threads`: torch threads (0: one per physical core). `seed`: the generator
         shared by requests without a seed of their own (None: from OS entropy). With
         `params=None`, generate() uses the model's default sampling (default_params()).
-        Call close() (or use
-        `with LLM(...) as llm`) to flush the cached blocks to the tier at the end."""
+        Call close() (or use `with LLM(...) as llm`) to flush the cached blocks to the
+        tier at the end."""
         runtime.tune_malloc()  # an entry point: the process's allocator, once
-        self.config = EngineConfig(
-            model=model, dtype=dtype, attention_backend=attention_backend,
-            cache=CacheConfig(block_size, num_kv_blocks or 0, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_batched_tokens, max_num_seqs),
-            tier=TierConfig(kv_tier, redis_url, kv_tier_memory,
-                            write_through=kv_tier_write_through),
-            kv_cache_memory=kv_cache_memory, max_model_len=max_model_len, seed=seed,
-            debug=debug, enforce_eager=enforce_eager, quantization=quantization,
-            threads=threads)
+        if model is not None:
+            overrides["model"] = model
+        self.config = (config or EngineConfig()).with_flat(**overrides)
         self.engine = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0

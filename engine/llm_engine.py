@@ -10,7 +10,6 @@ import os
 import time
 import uuid
 import weakref
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from collections.abc import Callable
@@ -19,13 +18,12 @@ from typing import Any
 import torch
 
 from engine.block_manager import KVCacheManager
-from engine.config import CacheConfig, SchedulerConfig, TierConfig
+from engine.config import EngineConfig  # defined there; importing it from here still works
 from engine.detokenizer import IncrementalDetokenizer, byte_level_table
 from engine.kv_offload import KVOffload, kv_fingerprint
-from engine.loader import (DEFAULT_MODEL, cache_root, load_tokenizer, load_weights,
-                           resolve_model, sampling_defaults, weights_checksum)
+from engine.loader import (cache_root, load_tokenizer, load_weights, resolve_model,
+                           sampling_defaults, weights_checksum)
 from engine.model import ModelArch
-from engine.quant import QUANTIZATIONS
 from engine.outputs import StepOutput
 from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
@@ -64,35 +62,9 @@ def physical_cores() -> int:
     return max(1, len(cores))
 
 
+# EngineConfig.dtype's names (engine.config.DTYPE_NAMES) as torch dtypes
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # bfloat16 where the hardware computes it natively, else float32
-    attention_backend: str = "cpu"
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    tier: TierConfig = field(default_factory=TierConfig)
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool when cache.num_blocks == 0
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    seed: int | None = None  # shared by unseeded requests; None: from OS entropy
-    debug: bool = False  # check block-manager integrity after every step
-    enforce_eager: bool = False  # no CUDA graphs for decode steps (engine/cuda_graphs.py)
-    quantization: str = "none"  # "int8": weight-only int8 linears (engine/quant.py; CPU)
-    threads: int = 0  # torch threads of the engine thread; 0: one per physical core
-    # AsyncEngine: a step's outputs go out once the next decode graph is on the GPU, so
-    # the event loop's fan-out overlaps the GPU's work (no effect on the CPU backend)
-    async_output: bool = True
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES and self.dtype != "auto":
-            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, "
-                             f"got {self.quantization!r}")
 
 
 class PromptTooLongError(ValueError):
@@ -131,11 +103,12 @@ class LLMEngine:
             weights = load_weights(self.model_dir)
         with progress.phase(f"model and KV cache ({self.num_blocks} blocks"
                             f"{', int8 quantization' if config.quantization != 'none' else ''})"):
-            self.runner = ModelRunner(self.arch, weights, self.dtype,
-                                      config.attention_backend, cc.block_size, self.num_blocks,
-                                      config.seed, config.scheduler.max_num_seqs,
-                                      self.max_model_len, config.enforce_eager,
-                                      config.quantization, self._quant_cache())
+            self.runner = ModelRunner(
+                self.arch, weights, dtype=self.dtype, backend=config.attention_backend,
+                block_size=cc.block_size, num_blocks=self.num_blocks, seed=config.seed,
+                max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                enforce_eager=config.enforce_eager, quantization=config.quantization,
+                quant_cache=self._quant_cache())
             del weights
         self.offload = self._make_offload()
         if self.offload is not None:  # an engine dropped without close() still frees it all
@@ -401,10 +374,13 @@ class LLMEngine:
         if cached < 0:
             cached = 0
         host = r.num_host_cached_tokens
-        return StepOutput(r.parent_id, new, delta, finished, reason, r.index,
-                          len(r.prompt_token_ids), cached, logprobs, r.stop_reason, None,
-                          first - r.arrival_time if first else 0.0, sampled_at,
-                          host if host < cached else cached)
+        return StepOutput(request_id=r.parent_id, new_token_ids=new, text_delta=delta,
+                          finished=finished, finish_reason=reason, index=r.index,
+                          num_prompt_tokens=len(r.prompt_token_ids), num_cached_tokens=cached,
+                          logprobs=logprobs, stop_reason=r.stop_reason,
+                          queue_time=first - r.arrival_time if first else 0.0,
+                          sampled_at=sampled_at,
+                          num_host_cached_tokens=host if host < cached else cached)
 
     def _finished(self, r: Request) -> None:
         self.runner.release(r.request_id)

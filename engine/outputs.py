@@ -23,9 +23,10 @@ def join_chunks(chunks: list[str]) -> str:
     return chunks[0] if chunks else ""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class StepOutput:
-    """What one engine step produced for one sample (`index`) of one request."""
+    """What one engine step produced for one sample (`index`) of one request. Built by
+    name only: fourteen fields, several of them ints that a position would swap."""
 
     request_id: str
     new_token_ids: list[int]

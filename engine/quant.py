@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-log = logging.getLogger("tidewire.engine")
+from engine.config import QUANTIZATIONS  # noqa: F401 - defined torch-free, re-exported
 
-QUANTIZATIONS = ("none", "int8")
+log = logging.getLogger("tidewire.engine")
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

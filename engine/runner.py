@@ -69,12 +69,13 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
 
 
 class ModelRunner:
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 backend: str, block_size: int, num_blocks: int, seed: int | None = None,
-                 max_num_seqs: int = 64, max_model_len: int = 8192,
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], *,
+                 dtype: torch.dtype, backend: str, block_size: int, num_blocks: int,
+                 seed: int | None = None, max_num_seqs: int = 64, max_model_len: int = 8192,
                  enforce_eager: bool = False, quantization: str = "none",
                  quant_cache: Path | None = None) -> None:
-        """`enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
+        """Keyword-only past `weights`: most are ints, easily swapped by position.
+        `enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
         graphs otherwise; engine/cuda_graphs.py) and no compiled CPU decode step
         (engine/cpu_step.py). `quantization`: "none" or "int8"
         (engine/quant.py), cached in `quant_cache`."""

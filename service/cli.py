@@ -20,6 +20,7 @@ from engine import runtime
 
 runtime.tune_openmp()  # before anything imports torch
 
+from engine.config import EngineConfig  # noqa: E402 - torch-free, as is the registry
 from engine.registry import DEFAULT_MODEL, REGISTRY  # noqa: E402 - after tune_openmp
 
 ENV_PREFIX = "TIDEWIRE_"
@@ -233,24 +234,33 @@ def _kv_args(g: Any) -> None:
                  "(prefix sharing across replicas)")
 
 
-def _tier(a: argparse.Namespace):  # noqa: ANN202 - engine.TierConfig
-    from engine import TierConfig
+def _gib(gb: float) -> int:
+    return int(gb * (1 << 30))
 
-    return TierConfig(a.kv_tier, a.redis_url, int(a.kv_tier_memory_gb * (1 << 30)),
-                      a.kv_tier_ttl, a.kv_tier_write_through)
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig that the engine flags of `serve` or `generate` describe (their
+    TIDEWIRE_* variables are the flags' defaults). One builder for both commands, so a
+    flag cannot reach one command's engine and not the other's."""
+    # serve only: the offline LLM hands out a step's outputs when the step returns
+    serve_only = {"async_output": a.async_output} if hasattr(a, "async_output") else {}
+    # generate's --seed also seeds each of its requests, so as the engine's seed (for
+    # unseeded requests) it changes nothing there
+    return EngineConfig.from_flat(
+        a.model, dtype=a.dtype, quantization=a.quantization,
+        attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
+        threads=a.threads, max_num_batched_tokens=a.max_num_batched_tokens,
+        max_num_seqs=a.max_num_seqs, block_size=a.block_size,
+        kv_cache_memory=_gib(a.kv_cache_memory_gb), num_kv_blocks=a.num_kv_blocks,
+        enable_prefix_caching=a.prefix_caching, kv_tier=a.kv_tier, redis_url=a.redis_url,
+        kv_tier_memory=_gib(a.kv_tier_memory_gb), kv_tier_ttl=a.kv_tier_ttl,
+        kv_tier_write_through=a.kv_tier_write_through, seed=a.seed, **serve_only)
 
 
 def _llm(a: argparse.Namespace):  # noqa: ANN202 - engine.LLM
     from engine import LLM
 
-    t = _tier(a)
-    return LLM(model=a.model, dtype=a.dtype, block_size=a.block_size,
-               num_kv_blocks=a.num_kv_blocks, max_num_batched_tokens=a.max_num_batched_tokens,
-               max_num_seqs=a.max_num_seqs, enable_prefix_caching=a.prefix_caching,
-               attention_backend=a.attention_backend, kv_tier=t.kind, redis_url=t.redis_url,
-               kv_tier_memory=t.memory_bytes, kv_tier_write_through=t.write_through,
-               kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)),
-               enforce_eager=a.enforce_eager, quantization=a.quantization, threads=a.threads)
+    return LLM(config=engine_config(a))
 
 
 # -- generate -------------------------------------------------------------------------------
@@ -309,18 +319,11 @@ def _serve_on(sock: Any, a: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("tidewire").info("listening on http://%s:%d (loading the model)",
                                        a.host, a.port)
-    from engine import CacheConfig, EngineConfig, SchedulerConfig
     from service.config import Limits, ServiceConfig
     from service.server import build_server
 
     runtime.tune_gil(a.switch_interval)
-    engine = EngineConfig(
-        model=a.model, dtype=a.dtype, attention_backend=a.attention_backend,
-        cache=CacheConfig(a.block_size, a.num_kv_blocks or 0, a.prefix_caching),
-        scheduler=SchedulerConfig(a.max_num_batched_tokens, a.max_num_seqs), tier=_tier(a),
-        kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)), enforce_eager=a.enforce_eager,
-        quantization=a.quantization, threads=a.threads, seed=a.seed,
-        async_output=a.async_output)
+    engine = engine_config(a)
     limits = Limits(max_connections=a.max_connections,
                     max_inflight_per_connection=a.max_inflight_per_connection,
                     max_inflight_per_key=a.max_inflight_per_key, max_queue=a.max_queue,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from engine.llm_engine import EngineConfig
+from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)

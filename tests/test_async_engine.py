@@ -227,12 +227,13 @@ def test_cumulative_text_is_kept_as_deltas_and_joined_when_read() -> None:
     out = RequestOutput("r", [1, 2], [CompletionOutput(0), CompletionOutput(1)])
     pieces = ["Hel", "", "lo", " wörld", "🌊"]
     for i, p in enumerate(pieces):
-        out.apply(StepOutput("r", [10 + i], p, index=0))
+        out.apply(StepOutput(request_id="r", new_token_ids=[10 + i], text_delta=p, index=0))
     c = out.outputs[0]
     assert c.text_chunks == ["Hel", "lo", " wörld", "🌊"]  # nothing joined per delta
     assert c.text_len == len("Hello wörld🌊") and c.token_ids == [10, 11, 12, 13, 14]
     assert out.outputs[0].text == "Hello wörld🌊" and c.text_chunks == ["Hello wörld🌊"]
-    out.apply(StepOutput("r", [15], "!", finished=True, finish_reason="stop", index=0))
+    out.apply(StepOutput(request_id="r", new_token_ids=[15], text_delta="!", finished=True,
+                          finish_reason="stop", index=0))
     assert c.text == "Hello wörld🌊!" and c.text_len == len(c.text) and c.finished
     assert out.outputs[1].text == "" and out.outputs[1].text_len == 0
     assert not out.finished  # sample 1 is still running

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from service.cli import _tier, build_parser
+from service.cli import build_parser, engine_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ def test_compose_runs_redis_as_an_lru_and_tidewire_on_it(monkeypatch) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, str(v))
     args = build_parser().parse_args(["serve"])
-    tier = _tier(args)
+    tier = engine_config(args).tier
     assert tier.kind == "redis" and tier.redis_url == "redis://redis:6379/0"
     assert tier.write_through and tier.memory_bytes == 1 << 30 and tier.ttl == 86400
 
