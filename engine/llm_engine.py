@@ -27,7 +27,7 @@ from engine.model import ModelArch
 from engine.outputs import StepOutput
 from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, prefault_default
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from kernels import cpu_ops
@@ -108,7 +108,8 @@ class LLMEngine:
                 block_size=cc.block_size, num_blocks=self.num_blocks, seed=config.seed,
                 max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
                 enforce_eager=config.enforce_eager, quantization=config.quantization,
-                quant_cache=self._quant_cache())
+                quant_cache=self._quant_cache(),
+                prefault=cc.prefault if cc.prefault is not None else prefault_default())
             del weights
         self.offload = self._make_offload()
         if self.offload is not None:  # an engine dropped without close() still frees it all

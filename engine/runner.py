@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,17 +55,27 @@ class StepInputs:
     sampling: SamplingBatch
 
 
-def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor for the KV cache. On the CPU it is an anonymous mapping, whose
-    pages the kernel zero-fills on first touch: the process holds the blocks it has
-    used rather than the whole budget from the start (a 1 GB pool of which a chat
-    uses a few MB), and start-up skips writing zeros over all of it."""
+def prefault_default() -> bool:
+    """CacheConfig.prefault=None: on, unless TIDEWIRE_KV_PREFAULT=0."""
+    return os.environ.get("TIDEWIRE_KV_PREFAULT", "1").lower() not in ("0", "false", "no", "off")
+
+
+def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+            prefault: bool = False) -> torch.Tensor:
+    """A zeroed tensor for the KV cache. On the CPU it is an anonymous mapping. With
+    `prefault` the kernel maps and zeroes all its pages at once (MAP_POPULATE: ~0.3 s a
+    GB here); without, each page is zero-filled on first touch, inside whichever engine
+    step first writes to it (~4 us a page under a hypervisor), and the process holds
+    only the blocks it has used so far."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if prefault:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in lazily
+    buf = mmap.mmap(-1, nbytes, flags=flags)
     return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps `buf` alive
 
 
@@ -73,12 +84,12 @@ class ModelRunner:
                  dtype: torch.dtype, backend: str, block_size: int, num_blocks: int,
                  seed: int | None = None, max_num_seqs: int = 64, max_model_len: int = 8192,
                  enforce_eager: bool = False, quantization: str = "none",
-                 quant_cache: Path | None = None) -> None:
+                 quant_cache: Path | None = None, prefault: bool = False) -> None:
         """Keyword-only past `weights`: most are ints, easily swapped by position.
         `enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
         graphs otherwise; engine/cuda_graphs.py) and no compiled CPU decode step
         (engine/cpu_step.py). `quantization`: "none" or "int8"
-        (engine/quant.py), cached in `quant_cache`."""
+        (engine/quant.py), cached in `quant_cache`. `prefault`: see kv_pool."""
         attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
                                     dtype)
         self.block_size = block_size
@@ -88,7 +99,7 @@ class ModelRunner:
         # One tensor holds every layer's K and V cache, so that moving whole blocks to
         # or from the host tier is one gather or scatter, not two per layer.
         self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)), dtype,
-                          self.device)
+                          self.device, prefault)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv.unbind(0)]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}

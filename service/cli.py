@@ -218,6 +218,11 @@ def _kv_args(g: Any) -> None:
     env_arg(g, "--no-prefix-caching", "PREFIX_CACHING", dest="prefix_caching", default=True,
             action="store_false",
             help="do not reuse the KV blocks of a prompt prefix seen before")
+    env_arg(g, "--no-kv-prefault", "KV_PREFAULT", dest="kv_prefault", default=True,
+            action="store_false",
+            help="CPU: let the KV pool's pages fault in as blocks are first used instead "
+                 "of mapping them all at start-up (less memory until the pool fills; "
+                 "each first use then costs a page fault inside a step)")
     env_arg(g, "--kv-tier", "KV_TIER", default="memory", choices=["memory", "redis", "none"],
             help="host tier for prefix blocks evicted from the device (redis: memory in front "
                  "of Redis, shared across restarts and replicas)")
@@ -252,7 +257,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         threads=a.threads, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, block_size=a.block_size,
         kv_cache_memory=_gib(a.kv_cache_memory_gb), num_kv_blocks=a.num_kv_blocks,
-        enable_prefix_caching=a.prefix_caching, kv_tier=a.kv_tier, redis_url=a.redis_url,
+        enable_prefix_caching=a.prefix_caching, kv_prefault=a.kv_prefault, kv_tier=a.kv_tier, redis_url=a.redis_url,
         kv_tier_memory=_gib(a.kv_tier_memory_gb), kv_tier_ttl=a.kv_tier_ttl,
         kv_tier_write_through=a.kv_tier_write_through, seed=a.seed, **serve_only)
 

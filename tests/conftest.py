@@ -19,6 +19,10 @@ os.environ.setdefault("TIDEWIRE_CACHE", str(Path.home() / ".cache" / "tidewire")
 # module is imported, so it is set before any test imports kernels.*.)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite builds ~150 engines, most with the default 1 GB KV pool and a few dozen
+# tokens of work each: mapping every pool in full would cost ~0.3 s and 1 GB apiece.
+# Pools fault in as used (tests/test_runner_pool.py checks the prefaulted mapping).
+os.environ.setdefault("TIDEWIRE_KV_PREFAULT", "0")
 
 TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             max_position_embeddings=1024, initializer_range=0.1, tie_word_embeddings=False,

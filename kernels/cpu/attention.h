@@ -34,8 +34,8 @@ namespace tw {
 constexpr int kKeyTile = 64;        // keys per tile
 constexpr int kTileVecs = kKeyTile / kLanes;
 constexpr int kMaxRows = 64;        // query rows (tokens x group heads) per work item
-constexpr int kPartTokens = 512;
-constexpr int kAheadTiles = 4;      // key tiles of the next work item fetched ahead    // context tokens per part when a context is split
+constexpr int kPartTokens = 512;    // context tokens per part when a context is split
+constexpr int kAheadKeys = 128;     // how far ahead of the keys in use the prefetches run
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct AttnItem {
@@ -98,6 +98,45 @@ inline void prefetch_rows(const T* cache, const AttnShape& sh, const int32_t* ta
   }
 }
 
+// Keys [begin, end) of one KV head of one sequence: a stretch of the stream of keys a
+// thread reads, item after item.
+struct KeySpan {
+  const int32_t* table = nullptr;  // the sequence's row of the block table
+  int64_t kv_head = 0, begin = 0, end = 0;
+};
+
+// Row pointers of the next n keys of the stream that continues at span a and then span b
+// (a advances); fewer where both run out. What a tile prefetches, a key at a time, for
+// the tile after it.
+template <typename T>
+inline int take_keys(const T* kc, const T* vc, const AttnShape& sh, KeySpan& a, KeySpan& b,
+                     int n, const T** ks, const T** vs) {
+  int got = 0;
+  for (KeySpan* sp : {&a, &b}) {
+    const int m = static_cast<int>(std::min<int64_t>(n - got, sp->end - sp->begin));
+    if (m <= 0) continue;
+    kv_rows(kc, sh, sp->table, sp->kv_head, sp->begin, m, ks + got);
+    kv_rows(vc, sh, sp->table, sp->kv_head, sp->begin, m, vs + got);
+    sp->begin += m;
+    got += m;
+  }
+  return got;
+}
+
+// Asks for one key's K and V rows. Spread over a tile's work (a key or a few between
+// arithmetic) rather than as one burst: a burst of hundreds of prefetches fills the
+// core's miss buffers and stalls it until they drain, so memory and arithmetic take
+// turns instead of overlapping (measured: a burst per tile ran no faster than none).
+template <typename T>
+inline void prefetch_key(const T* k, const T* v, int64_t row_bytes) {
+  const char* kp = reinterpret_cast<const char*>(k);
+  const char* vp = reinterpret_cast<const char*>(v);
+  for (int64_t b = 0; b < row_bytes; b += 64) {
+    __builtin_prefetch(kp + b, 0, 3);
+    __builtin_prefetch(vp + b, 0, 3);
+  }
+}
+
 // Scores of `rows` query rows against `nk` keys, a dot product per (row, key): for a few
 // rows (decodes) that costs less than transposing the key tile. The tile is converted
 // to fp32 once (kf [kKeyTile][D]); each row's dot products go 16 keys at a time into
@@ -129,10 +168,14 @@ inline void scores_by_dot(const float* q, int rows, const T* const* krows, int n
 // in fp32 by vdpbf16ps straight from the cache (no conversion of K), then scaled.
 template <int ND>
 inline void scores_by_dot_bf16(const c10::BFloat16* qb, float scale, int rows,
-                               const c10::BFloat16* const* krows, int nk, float* s) {
+                               const c10::BFloat16* const* krows, int nk, float* s,
+                               const c10::BFloat16* const* ka, const c10::BFloat16* const* va,
+                               int na) {
   constexpr int D = ND * kLanes, NV = D / 32;
   for (int k0 = 0; k0 < nk; k0 += kLanes) {
     const int n = std::min(kLanes, nk - k0);
+    for (int k = k0; k < std::min(na, k0 + kLanes); ++k)
+      prefetch_key(ka[k], va[k], D * 2);
     for (int r = 0; r < rows; ++r) {
       __m512bh qv[NV];
       for (int j = 0; j < NV; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(qb + r * D + j * 32);
@@ -316,15 +359,17 @@ inline void accumulate_pv_bf16(float* o, const float* p, const float* corr, cons
 template <int ND, typename T>
 void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const int32_t* table,
                  int64_t ctx, int64_t q_len, int64_t q_row0, const AttnShape& sh,
-                 AttnScratch& w) {
+                 AttnScratch& w, KeySpan after) {
   constexpr int D = ND * kLanes;
   const int64_t G = sh.group, ntok = it.tok_end - it.tok_begin;
   const int rows = static_cast<int>(ntok * G);
   const int64_t pos0 = ctx - q_len + it.tok_begin;  // position of the first token
   const int64_t last = std::min<int64_t>(it.key_end, pos0 + ntok);  // keys after: unseen
-  const int64_t first_end = std::min<int64_t>(last, it.key_begin + kKeyTile);
-  prefetch_rows(kc, sh, table, it.kv_head, it.key_begin, first_end);
-  prefetch_rows(vc, sh, table, it.kv_head, it.key_begin, first_end);
+  // The stream of keys one tile ahead: this item's after its first tile (that one was
+  // asked for by whatever ran before), then the next item's (`after`).
+  KeySpan ahead{table, it.kv_head, std::min<int64_t>(last, it.key_begin + kAheadKeys), last};
+  const T* ka[kKeyTile];
+  const T* va[kKeyTile];
   for (int64_t t = 0; t < ntok; ++t) {
     const T* src = q + (q_row0 + it.tok_begin + t) * sh.q_stride + it.kv_head * G * D;
     for (int64_t g = 0; g < G; ++g)
@@ -347,22 +392,22 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
   float corr[kMaxRows];
   for (int64_t kb = it.key_begin; kb < last; kb += kKeyTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, last - kb));
-    const int64_t next_end = std::min<int64_t>(last, kb + 2 * kKeyTile);
-    if (kb + nk < next_end) {  // the next tile, while this one computes
-      prefetch_rows(kc, sh, table, it.kv_head, kb + nk, next_end);
-      prefetch_rows(vc, sh, table, it.kv_head, kb + nk, next_end);
-    }
+    const int na = take_keys(kc, vc, sh, ahead, after, nk, ka, va);
     kv_rows(kc, sh, table, it.kv_head, kb, nk, krows);
     kv_rows(vc, sh, table, it.kv_head, kb, nk, vrows);
     float* s = w.s.data();
     if (rows < 8) {
 #if defined(__AVX512BF16__)
       if constexpr (bf16_dot)
-        scores_by_dot_bf16<ND>(w.qb.data(), sh.scale, rows, krows, nk, s);
+        scores_by_dot_bf16<ND>(w.qb.data(), sh.scale, rows, krows, nk, s, ka, va, na);
       else
 #endif
+      {
+        for (int k = 0; k < na; ++k) prefetch_key(ka[k], va[k], D * int64_t(sizeof(T)));
         scores_by_dot<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
-    } else {
+      }
+    } else {  // many rows: a tile's arithmetic dwarfs its prefetches
+      for (int k = 0; k < na; ++k) prefetch_key(ka[k], va[k], D * int64_t(sizeof(T)));
 #if defined(__AVX512BF16__)
       if constexpr (bf16_dot)
         scores_by_tile_bf16<ND>(w.qb.data(), sh.scale, rows, krows, nk, w.kt.data(), s);
@@ -469,12 +514,12 @@ inline void store_row(T* out, const AttnShape& sh, const int32_t* qstart, const 
 template <int ND, typename T>
 void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const T* kc, const T* vc,
               const int32_t* table, const int32_t* seq_lens, const int32_t* qstart,
-              const AttnShape& sh, AttnScratch& w) {
+              const AttnShape& sh, AttnScratch& w, const KeySpan& after) {
   constexpr int D = ND * kLanes;
   const AttnItem& it = plan.items[i];
   const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
   attend_item<ND>(it, q, kc, vc, table + it.seq * sh.max_blocks, ctx, q_len, qstart[it.seq], sh,
-                  w);
+                  w, after);
   const int64_t rows = (it.tok_end - it.tok_begin) * sh.group;
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = w.l[r] > 0 ? 1.0f / w.l[r] : 0.0f;
@@ -489,32 +534,35 @@ void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const T* kc, const T
   }
 }
 
-// The first key tiles of item i, asked for ahead (while the thread finishes another item).
-template <typename T>
-inline void prefetch_item(const AttnPlan& plan, size_t i, const T* kc, const T* vc,
-                          const int32_t* table, const int32_t* seq_lens, const int32_t* qstart,
-                          const AttnShape& sh) {
-  if (i >= plan.items.size()) return;
+// The keys item i reads (none past the plan's end).
+inline KeySpan item_keys(const AttnPlan& plan, size_t i, const int32_t* table,
+                         const int32_t* seq_lens, const int32_t* qstart, const AttnShape& sh) {
+  if (i >= plan.items.size()) return {};
   const AttnItem& it = plan.items[i];
   const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
   const int64_t last = std::min<int64_t>(it.key_end, ctx - q_len + it.tok_end);
-  const int64_t end = std::min<int64_t>(last, it.key_begin + kAheadTiles * kKeyTile);
-  const int32_t* row = table + it.seq * sh.max_blocks;
-  prefetch_rows(kc, sh, row, it.kv_head, it.key_begin, end);
-  prefetch_rows(vc, sh, row, it.kv_head, it.key_begin, end);
+  return {table + it.seq * sh.max_blocks, it.kv_head, it.key_begin, last};
 }
 
-// Items of the plan taken in turn from `next` by the calling thread; the next one's
-// first tile is fetched while the current one computes.
+// Items of the plan taken in turn from `next` by the calling thread. The thread claims
+// its next item before it starts the current one, so the keys of both form one stream
+// that its prefetches run ahead on; only the first tile of its first item is fetched
+// in one go.
 template <int ND, typename T>
 void run_items(AttnPlan& plan, std::atomic<size_t>& next, T* out, const T* q, const T* kc,
                const T* vc, const int32_t* table, const int32_t* seq_lens,
                const int32_t* qstart, const AttnShape& sh, AttnScratch& w) {
   size_t cur = next++;
+  if (cur < plan.items.size()) {
+    const KeySpan first = item_keys(plan, cur, table, seq_lens, qstart, sh);
+    const int64_t end = std::min<int64_t>(first.end, first.begin + kAheadKeys);
+    prefetch_rows(kc, sh, first.table, first.kv_head, first.begin, end);
+    prefetch_rows(vc, sh, first.table, first.kv_head, first.begin, end);
+  }
   while (cur < plan.items.size()) {
     const size_t upcoming = next++;
-    prefetch_item(plan, upcoming, kc, vc, table, seq_lens, qstart, sh);
-    run_item<ND>(plan, cur, out, q, kc, vc, table, seq_lens, qstart, sh, w);
+    run_item<ND>(plan, cur, out, q, kc, vc, table, seq_lens, qstart, sh, w,
+                 item_keys(plan, upcoming, table, seq_lens, qstart, sh));
     cur = upcoming;
   }
 }

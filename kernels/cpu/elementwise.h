@@ -99,6 +99,21 @@ void rope_and_cache(T* qkv, int64_t row, const int64_t* positions, const float* 
                     int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
                     int64_t cache_slots) {
   at::parallel_for(0, tokens, 8, [&](int64_t t0, int64_t t1) {
+    // The cache lines the tokens' K and V go to are cold (each in its own block): asked
+    // for all at once, for writing, they arrive together instead of one miss after
+    // another as the stores reach them (64 decodes: 3.4 ms a step before, per the
+    // profiler, on 30 layers).
+    for (int64_t t = t0; t < t1; ++t) {
+      if (slots[t] < 0 || slots[t] >= cache_slots) continue;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const char* kd = reinterpret_cast<const char*>(k_cache + (h * cache_slots + slots[t]) * d);
+        const char* vd = reinterpret_cast<const char*>(v_cache + (h * cache_slots + slots[t]) * d);
+        for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) {
+          __builtin_prefetch(kd + b, 1, 3);
+          __builtin_prefetch(vd + b, 1, 3);
+        }
+      }
+    }
     for (int64_t t = t0; t < t1; ++t)
       rope_cache_token(qkv + t * row, positions[t], cos_t, sin_t, k_cache, v_cache, slots[t],
                        heads, kv_heads, d, cache_slots);
