@@ -354,6 +354,135 @@ inline void accumulate_pv_bf16(float* o, const float* p, const float* corr, cons
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// A stretch of the key stream read a 16-key chunk at a time (chunks never straddle a
+// block: block sizes here are multiples of 16 and spans start on multiples of 16).
+struct ChunkCursor {
+  KeySpan a, b;  // the rest of this item, then the next item
+  // Offset of the next chunk's first row in the K (and V) cache and its key count,
+  // advancing; n = 0 when the stream has run out.
+  int64_t next(const AttnShape& sh, int& n) {
+    KeySpan& sp = a.begin < a.end ? a : b;
+    n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kLanes, sp.end - sp.begin)));
+    if (n == 0) return 0;
+    const int64_t bs = sh.block_size;
+    const int64_t off = ((sp.kv_head * sh.num_blocks + sp.table[sp.begin / bs]) * bs +
+                         sp.begin % bs) * sh.head_dim;
+    sp.begin += n;
+    return off;
+  }
+};
+
+// The decode work item for bf16 caches on CPUs with AVX512-BF16 and block sizes that are
+// multiples of 16: one query token, its group's G <= 8 heads as rows. Keys go by 16-key
+// chunks that lie in one block each, so K and V rows are addressed from one base per
+// chunk (no per-key pointer tables). Scores: vdpbf16ps straight from the cache, 16 keys
+// reduced at once (hsum16). P.V: each pair of V rows interleaved in registers (vpermt2w)
+// and multiplied by the rows' probability pairs with vdpbf16ps, at most four rows per
+// pass. Prefetches run kAheadKeys ahead in the thread's key stream, one key's lines per
+// key scored.
+template <int ND>
+void attend_decode_bf16(const AttnItem& it, const c10::BFloat16* q, const c10::BFloat16* kc,
+                        const c10::BFloat16* vc, const int32_t* table, int64_t last,
+                        int64_t q_row, const AttnShape& sh, AttnScratch& w, KeySpan after) {
+  using bf16 = c10::BFloat16;
+  constexpr int D = ND * kLanes, NV = D / 32;
+  const int G = static_cast<int>(sh.group);
+  const int64_t bs = sh.block_size;
+  const bf16* qrow = q + q_row * sh.q_stride + it.kv_head * G * D;
+  __m512bh qv[8][NV];
+  for (int r = 0; r < G; ++r)
+    for (int j = 0; j < NV; ++j) qv[r][j] = (__m512bh)_mm512_loadu_si512(qrow + r * D + j * 32);
+  float m[8], l[8];
+  f32x16 o[8][ND];
+  for (int r = 0; r < G; ++r) {
+    m[r] = kNegInf;
+    l[r] = 0.0f;
+    for (int j = 0; j < ND; ++j) o[r][j] = splat(0.0f);
+  }
+  ChunkCursor ahead{{table, it.kv_head, std::min<int64_t>(last, it.key_begin + kAheadKeys), last},
+                    after};
+  // lane i of the low / high result: element i / 16 + i of a, then of b (pairs of keys)
+  alignas(64) static const uint16_t kLoIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37,
+                                                  6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43,
+                                                  12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHiIdx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                  53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_idx = _mm512_load_si512(kLoIdx), hi_idx = _mm512_load_si512(kHiIdx);
+  alignas(64) float s[8][kKeyTile];
+  int64_t chunk_off[kTileVecs];  // of the tile's chunks, in the K and V caches
+  for (int64_t kb = it.key_begin; kb < last; kb += kKeyTile) {
+    const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, last - kb));
+    const int chunks = (nk + kLanes - 1) / kLanes;
+    for (int c = 0; c < chunks; ++c) {
+      const int64_t pos = kb + c * kLanes;
+      chunk_off[c] = ((it.kv_head * sh.num_blocks + table[pos / bs]) * bs + pos % bs) * D;
+      const bf16* kp = kc + chunk_off[c];
+      const int n = std::min(kLanes, nk - c * kLanes);
+      int an = 0;
+      const int64_t ao = ahead.next(sh, an);
+      const bf16* krow[kLanes];
+      for (int k = 0; k < kLanes; ++k) krow[k] = kp + std::min(k, n - 1) * D;  // past n: masked
+      for (int r = 0; r < G; ++r) {
+        f32x16 acc[kLanes];
+#pragma GCC unroll 16
+        for (int k = 0; k < kLanes; ++k) {
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[r][0],
+                                      (__m512bh)_mm512_loadu_si512(krow[k]));
+          for (int j = 1; j < NV; ++j)
+            a = _mm512_dpbf16_ps(a, qv[r][j], (__m512bh)_mm512_loadu_si512(krow[k] + j * 32));
+          acc[k] = (f32x16)a;
+        }
+        store16(s[r] + c * kLanes, hsum16(acc) * sh.scale);
+        // this row's share of the chunk kAheadKeys ahead, between rows' arithmetic
+        for (int k = r * an / G; k < (r + 1) * an / G; ++k)
+          prefetch_key(kc + ao + k * D, vc + ao + k * D, D * 2);
+      }
+    }
+    float corr[8];
+    for (int r = 0; r < G; ++r) corr[r] = softmax_update(s[r], nk, m[r], l[r]);
+    // P.V, keys by pairs; rows four at a time (registers: 4 x ND accumulators)
+    for (int r0 = 0; r0 < G; r0 += 4) {
+      const int R = std::min(4, G - r0);
+      alignas(64) uint32_t pb[4][kKeyTile / 2];
+      for (int i = 0; i < R; ++i)
+        for (int c = 0; c < kTileVecs; c += 2) {
+          const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_load_ps(s[r0 + i] + (c + 1) * kLanes),
+                                                 _mm512_load_ps(s[r0 + i] + c * kLanes));
+          _mm512_store_si512(pb[i] + c * kLanes / 2, (__m512i)x);
+        }
+      __m512 acc[4][ND];
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < ND; ++j) acc[i][j] = _mm512_setzero_ps();
+      for (int k = 0; k < nk; k += 2) {
+        const bf16* va = vc + chunk_off[k / kLanes] + (k % kLanes) * D;
+        const bf16* vb = k + 1 < nk ? va + D : nullptr;  // a missing last key: zeros
+        for (int j = 0; j < NV; ++j) {
+          const __m512i x = _mm512_loadu_si512(va + j * 32);
+          const __m512i y = vb ? _mm512_loadu_si512(vb + j * 32) : _mm512_setzero_si512();
+          const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, lo_idx, y);
+          const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, hi_idx, y);
+          for (int i = 0; i < R; ++i) {
+            const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(pb[i][k / 2]));
+            acc[i][2 * j] = _mm512_dpbf16_ps(acc[i][2 * j], pp, lo);
+            acc[i][2 * j + 1] = _mm512_dpbf16_ps(acc[i][2 * j + 1], pp, hi);
+          }
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        for (int j = 0; j < ND; ++j)
+          o[r0 + i][j] = o[r0 + i][j] * corr[r0 + i] + (f32x16)acc[i][j];
+    }
+  }
+  for (int r = 0; r < G; ++r) {
+    w.m[r] = m[r];
+    w.l[r] = l[r];
+    for (int j = 0; j < ND; ++j) store16(w.o.data() + r * D + j * kLanes, o[r][j]);
+  }
+}
+#endif
+
 // One work item: rows = (token, group head) pairs, keys [key_begin, key_end) of the
 // sequence's context, causal. Leaves o (unnormalized) and m, l (running max, denominator).
 template <int ND, typename T>
@@ -365,6 +494,14 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
   const int rows = static_cast<int>(ntok * G);
   const int64_t pos0 = ctx - q_len + it.tok_begin;  // position of the first token
   const int64_t last = std::min<int64_t>(it.key_end, pos0 + ntok);  // keys after: unseen
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && ND % 2 == 0) {
+    if (ntok == 1 && G <= 8 && sh.block_size % kLanes == 0 && it.key_begin % kLanes == 0) {
+      attend_decode_bf16<ND>(it, q, kc, vc, table, last, q_row0 + it.tok_begin, sh, w, after);
+      return;
+    }
+  }
+#endif
   // The stream of keys one tile ahead: this item's after its first tile (that one was
   // asked for by whatever ran before), then the next item's (`after`).
   KeySpan ahead{table, it.kv_head, std::min<int64_t>(last, it.key_begin + kAheadKeys), last};
@@ -467,7 +604,11 @@ inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* 
     if (q_len > 0 && q_len <= tok_tile && base < 4 * threads && ctx >= 2 * kPartTokens)
       parts = std::min<int64_t>((ctx + kPartTokens - 1) / kPartTokens,
                                 (4 * threads + base - 1) / base);
-    const int64_t span = (ctx + parts - 1) / parts;
+    int64_t span = ctx;
+    if (parts > 1) {  // parts start on tile boundaries (so on block boundaries too)
+      span = ((ctx + parts - 1) / parts + kKeyTile - 1) / kKeyTile * kKeyTile;
+      parts = (ctx + span - 1) / span;
+    }
     for (int64_t h = 0; h < sh.num_kv_heads; ++h)
       for (int64_t t = 0; t < q_len; t += tok_tile)
         for (int64_t p = 0; p < parts; ++p)
