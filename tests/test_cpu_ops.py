@@ -66,6 +66,19 @@ def test_paged_attention_mixed_batch_matches_reference(dtype, bs, heads, kv_head
     _check_attention(seqs, heads, kv_heads, 64, bs, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 2), (6, 6)])
+def test_paged_attention_decodes_across_chunk_tile_and_block_edges(dtype, d, heads,
+                                                                   kv_heads) -> None:
+    # the bf16 decode path reads keys by 16-key chunks in 64-key tiles: contexts on and
+    # either side of those edges, in a batch long enough that each thread's prefetch
+    # stream runs from one work item into the next
+    lens = [1, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 200, 1000, 2]
+    _check_attention([(1, n) for n in lens], heads, kv_heads, d, 16, dtype, seed=d + heads)
+    _check_attention([(1, n) for n in lens[::-1]], heads, kv_heads, d, 32, dtype, seed=d)
+
+
 @pytest.mark.parametrize("d", [16, 32, 128])
 def test_paged_attention_head_dims(d) -> None:
     _check_attention([(1, 20), (9, 40), (1, 3)], 8, 2, d, 16, torch.float32, seed=d)
