@@ -39,6 +39,7 @@ def test_bench_http_streams_the_whole_workload_from_a_real_server(server: Runnin
     rc, res = _bench(server.url + "/v1", tmp_path / "http.json", "--output-range", "8", "40")
     assert rc == 0
     assert res["model"] == "tiny"  # from GET /v1/models
+    assert res["warmup_requests"] == 4  # the default, as bench offline warms up
     assert res["completed"] == 6 and res["failures"] == 0 and res["failures_by_status"] == {}
     work = chat64(320, 6, 0, output_range=(8, 40))
     assert res["output_tokens"] == sum(r.max_tokens for r in work)
@@ -64,7 +65,8 @@ def test_bench_http_counts_failed_requests_without_raising(server: RunningServer
     base, extra, key = {
         "unknown path": (server.url + "/nope/v1", (), "404"),
         "unknown model": (server.url + "/v1", ("--model", "gpt-9"), "404"),
-        "nothing listening": (f"http://127.0.0.1:{free_port()}/v1", (), "ConnectError"),
+        "nothing listening": (f"http://127.0.0.1:{free_port()}/v1", (),
+                              "ClientConnectorError"),
     }[case]
     rc, res = _bench(base, tmp_path / "fail.json", *extra)
     assert rc == 1
