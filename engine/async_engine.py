@@ -26,6 +26,7 @@ from engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 
 log = logging.getLogger("tidewire.engine")
 
@@ -168,6 +169,11 @@ class AsyncEngine:
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self.dead: BaseException | None = None
+        # Published by the engine thread after every step (one reference swap), read by
+        # the loop: the service never reads the scheduler or the block manager itself.
+        self._stats = EngineStats()
+        self._adds_sent = 0  # loop side: requests put in the inbox
+        self._adds_taken = 0  # engine side: requests taken out of it
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -189,9 +195,57 @@ class AsyncEngine:
             self._close_wake()
             raise
 
+    # -- what the service may read (set at load, or published by the engine thread) ------
+
     @property
     def tokenizer(self):  # noqa: ANN201 - a transformers tokenizer or None
         return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.arch.vocab_size
+
+    @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's sampling defaults (generation_config.json, else the registry)."""
+        return dict(self.engine.sampling_defaults)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.cache.block_size
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.config.cache.enable_prefix_caching
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine as of its last step (a frozen snapshot; any thread may read it)."""
+        return self._stats
+
+    def queued(self) -> int:
+        """Requests waiting for a batch slot: the last snapshot's, plus those sent since
+        that the engine thread has not taken yet (call it on the loop)."""
+        st = self._stats
+        return st.waiting + self._adds_sent - st.adds_taken
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's ids, as /v1/completions feeds them to the model (no special
+        tokens added; ids are checked). The tokenizer is read-only after load: safe
+        from the loop."""
+        return self.engine.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            generation_prompt: bool = True) -> list[int]:
+        return self.engine.apply_chat_template(messages, generation_prompt)
+
+    def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """The detokenizer's per-token bytes (built once, on first use)."""
+        return self.engine.byte_table(skip_special_tokens)
 
     async def shutdown(self) -> None:
         """Abort everything still running and join the engine thread."""
@@ -225,6 +279,7 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         stream = RequestStream(req)
         self._streams[req.request_id] = stream
+        self._adds_sent += 1
         self._inbox.put(_Add(req))
         return stream
 
@@ -278,6 +333,7 @@ class AsyncEngine:
             self._tell_loaded(loaded, e)
             return
         log.info("engine ready in %.1f s", self.progress.finish())
+        self._stats = self.engine.stats()
         if not self._tell_loaded(loaded, None):
             return
         eng = self.engine
@@ -307,6 +363,7 @@ class AsyncEngine:
                     eng.step(lambda step_outs: self._hand_off(outs + step_outs))
                     if not self._handed_off:
                         self._hand_off(outs)  # the step ran nothing
+                self._stats = eng.stats(self._adds_taken)
         except BaseException as e:  # the engine is broken: fail every request, loudly
             log.exception("engine thread died")
             self.dead = e
@@ -348,6 +405,7 @@ class AsyncEngine:
             if isinstance(cmd, _Stop):
                 return False
             if isinstance(cmd, _Add):
+                self._adds_taken += 1
                 try:
                     self.engine.add(cmd.request)
                 except ValueError as e:  # e.g. an id still in flight: fail it, keep running
@@ -361,13 +419,16 @@ class AsyncEngine:
                 self.engine.park([cmd.request_id])
             else:
                 self.engine.unpark([cmd.request_id])
+        self._stats = self.engine.stats(self._adds_taken)  # what the adds changed
         return True
 
     def _hand_off(self, outs: list[StepOutput]) -> None:
-        """Publish, then give the loop the time to send them (see `handoff`)."""
+        """Publish, then give the loop the time to send them (see `handoff`). The stats
+        go first: whoever sees a step's outputs sees stats at least that new."""
         self._handed_off = True
         if not outs:
             return
+        self._stats = self.engine.stats(self._adds_taken)
         self._handed.clear()
         self._publish(outs)
         if self.handoff > 0:

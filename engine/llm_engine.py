@@ -30,6 +30,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, prefault_default
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.stats import EngineStats, OffloadCounters, TierCounters
 from kernels import cpu_ops
 
 log = logging.getLogger("tidewire.engine")
@@ -287,6 +288,23 @@ class LLMEngine:
         return len(self.scheduler.unpark(
             k for rid in request_ids for k in self._children.get(rid, ())))
 
+    def stats(self, adds_taken: int = 0) -> EngineStats:
+        """A snapshot of the scheduler, the block manager and the host tier, for other
+        threads to read (call it on the thread that steps the engine)."""
+        s, kv = self.scheduler, self.kv
+        offload, tiers = None, ()
+        if self.offload is not None:
+            o = self.offload.stats
+            offload = OffloadCounters(o.loads, o.load_blocks, o.load_timeouts, o.corrupt,
+                                      o.written_blocks, o.dropped_writes, o.load_seconds)
+            tier = self.offload.tier
+            tiers = tuple(_tier_counters(t) for t in getattr(tier, "tiers", [tier]))
+        return EngineStats(step=self.num_steps, running=len(s.running), waiting=len(s.waiting),
+                           parked=len(s.parked), max_num_seqs=s.config.max_num_seqs,
+                           kv_usage=kv.usage, prefix_queries=kv.num_queries,
+                           prefix_hits=kv.num_hits, preemptions=s.num_preemptions,
+                           adds_taken=adds_taken, offload=offload, tiers=tiers)
+
     def request_ids(self) -> list[str]:
         """The callers' ids of every unfinished request."""
         return list(self._children)
@@ -391,3 +409,9 @@ class LLMEngine:
             kids.remove(r.request_id)
             if not kids:
                 del self._children[r.parent_id]
+
+
+def _tier_counters(t: Any) -> TierCounters:  # a cache_store.base.KVTier
+    c = t.stats.as_dict()
+    return TierCounters(t.name, c["lookups"], c["hits"], c["misses"], c["puts"], c["errors"],
+                        c["bytes_read"], c["bytes_written"], t.state() != "ok")

@@ -79,7 +79,7 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    gw.metrics.observe_engine(gw.engine.engine)
+    gw.metrics.observe_engine(gw.engine.stats)
     return PlainTextResponse(gw.metrics.render().decode(),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -182,7 +182,7 @@ async def load(app: Starlette, config: ServiceConfig) -> None:
             on_failed(e)
         return
     # the engine's byte table (chat logprobs' bytes), built now off the event loop
-    await asyncio.to_thread(app.state.engine.engine.byte_table, False)
+    await asyncio.to_thread(app.state.engine.byte_table, False)
     app.state.gateway = Gateway(config, app.state.engine, Metrics())
     log.info("tidewire ready: %s", config.model_name)
 

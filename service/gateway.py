@@ -65,7 +65,7 @@ class Gateway:
         self.num_detached = 0
         # filled into every request's unset sampling fields (ServiceConfig.sampling_defaults)
         self.sampling_defaults: dict[str, float] = (
-            dict(engine.engine.sampling_defaults) if config.sampling_defaults == "model" else {})
+            engine.sampling_defaults if config.sampling_defaults == "model" else {})
 
     # -- auth ------------------------------------------------------------------------------
 
@@ -96,7 +96,7 @@ class Gateway:
         if self.inflight_by_key.get(principal.key, 0) >= lim.max_inflight_per_key:
             raise ProtocolError("too_many_inflight", "too many requests in flight for this key",
                                 request_id)
-        queued = len(self.engine.engine.scheduler.waiting)
+        queued = self.engine.queued()
         if queued >= lim.max_queue:
             raise ProtocolError("overloaded", f"{queued} requests already waiting", request_id)
         rid = request_id or uuid.uuid4().hex
@@ -116,12 +116,14 @@ class Gateway:
         return Admission(stream, time.monotonic(), principal)
 
     def queue_position(self) -> int | None:
-        """Requests ahead of a new one when it will not be admitted at once, else None.
-        (Read from the loop thread: plain length reads of the scheduler's queues.)"""
-        sched = self.engine.engine.scheduler
-        waiting = len(sched.waiting)
-        if waiting or len(sched.running) >= sched.config.max_num_seqs:
-            return waiting
+        """Requests ahead of a new one when it will not be admitted at once, else None
+        (from the engine's last published stats and the requests sent since)."""
+        st = self.engine.stats
+        pending = self.engine.queued() - st.waiting  # sent, not yet seen by the engine
+        if st.waiting:  # the last step left requests waiting: all these are ahead
+            return st.waiting + pending
+        if st.running + pending >= st.max_num_seqs:  # the batch is full, or will be
+            return st.running + pending - st.max_num_seqs
         return None
 
     @staticmethod
@@ -147,17 +149,16 @@ class Gateway:
             self.release(adm, last.finish_reason if last else "abort")
         if last is None or last.finish_reason == "error":
             raise ProtocolError("internal_error", "warming the prefix failed", request_id)
-        eng = self.engine.engine
         n = len(last.prompt_token_ids)
-        bs = eng.config.cache.block_size
+        bs = self.engine.block_size
         return {"prompt_tokens": n,
-                "cached_tokens": n // bs * bs if eng.config.cache.enable_prefix_caching else 0,
+                "cached_tokens": n // bs * bs if self.engine.prefix_caching else 0,
                 "reused_tokens": {"device": last.num_cached_tokens - last.num_host_cached_tokens,
                                   "host": last.num_host_cached_tokens}}
 
     def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
                     rid: str, generation_prompt: bool = True) -> list[int]:
-        eng = self.engine.engine
+        eng = self.engine
         try:
             if messages is not None:
                 return eng.apply_chat_template(messages, generation_prompt)

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
+
+if TYPE_CHECKING:
+    from engine.stats import EngineStats
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DELIVERY = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2.5e-2,
@@ -65,32 +70,25 @@ class Metrics:
                                        "1 while a tier's circuit breaker is not closed",
                                        ["tier"], registry=r)
 
-    def observe_engine(self, engine) -> None:  # noqa: ANN001 - engine.LLMEngine
-        """Gauges read from the engine when scraped (plain int reads, thread-safe enough)."""
-        s = engine.scheduler
-        self.running.set(len(s.running))
-        self.waiting.set(len(s.waiting))
-        self.kv_usage.set(engine.kv.usage)
-        self.prefix_queries.set(engine.kv.num_queries)
-        self.prefix_hits.set(engine.kv.num_hits)
-        self.preemptions.set(s.num_preemptions)
-        if engine.offload is not None:
-            self._observe_tier(engine.offload)
-
-    def _observe_tier(self, offload) -> None:  # noqa: ANN001 - engine.kv_offload.KVOffload
-        st = vars(offload.stats)
-        for what in ("loads", "load_blocks", "load_timeouts", "corrupt", "written_blocks",
-                     "dropped_writes"):
-            self.tier_loads.labels(what).set(st[what])
-        self.tier_load_seconds.set(st["load_seconds"])
-        tiers = getattr(offload.tier, "tiers", [offload.tier])
-        for t in tiers:
-            c = t.stats.as_dict()
+    def observe_engine(self, st: EngineStats) -> None:
+        """Gauges from the engine's last published stats (engine/stats.py)."""
+        self.running.set(st.running)
+        self.waiting.set(st.waiting)
+        self.kv_usage.set(st.kv_usage)
+        self.prefix_queries.set(st.prefix_queries)
+        self.prefix_hits.set(st.prefix_hits)
+        self.preemptions.set(st.preemptions)
+        if st.offload is not None:
+            for what in ("loads", "load_blocks", "load_timeouts", "corrupt", "written_blocks",
+                         "dropped_writes"):
+                self.tier_loads.labels(what).set(getattr(st.offload, what))
+            self.tier_load_seconds.set(st.offload.load_seconds)
+        for t in st.tiers:
             for op in ("lookups", "hits", "misses", "puts", "errors"):
-                self.tier_ops.labels(t.name, op).set(c[op])
-            self.tier_bytes.labels(t.name, "read").set(c["bytes_read"])
-            self.tier_bytes.labels(t.name, "written").set(c["bytes_written"])
-            self.tier_breaker_open.labels(t.name).set(0 if t.state() == "ok" else 1)
+                self.tier_ops.labels(t.name, op).set(getattr(t, op))
+            self.tier_bytes.labels(t.name, "read").set(t.bytes_read)
+            self.tier_bytes.labels(t.name, "written").set(t.bytes_written)
+            self.tier_breaker_open.labels(t.name).set(1 if t.breaker_open else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

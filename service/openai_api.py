@@ -118,7 +118,7 @@ async def models(request: Request) -> Response:
 def model_card(gw: Gateway) -> dict[str, Any]:
     """The served model's object, as /v1/models lists it and /v1/models/{id} returns it."""
     return {"id": gw.config.model_name, "object": "model", "created": 0, "owned_by": "tidewire",
-            "max_model_len": gw.engine.engine.max_model_len,
+            "max_model_len": gw.engine.max_model_len,
             # what a request that leaves a sampling field unset gets
             "sampling_defaults": gw.sampling_defaults}
 
@@ -146,7 +146,7 @@ async def _complete(request: Request, chat: bool) -> Response:
             raise ProtocolError("model_not_found", f"model {model!r} is not served here")
         params = sampling_params(body, chat, gw.sampling_defaults)
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
-        table = (gw.engine.engine.byte_table(False)
+        table = (gw.engine.byte_table(False)
                  if chat and params.logprobs is not None else None)
         jobs = _submit_all(gw, principal, params, body, chat)
     except ProtocolError as e:

@@ -28,9 +28,8 @@ def _version() -> str:
 async def version(request: Request) -> Response:
     """GET /version: the package version and what is served (no auth, like /health)."""
     gw: Gateway = request.app.state.gateway
-    eng = gw.engine.engine
     return JSONResponse({"version": _version(), "model": gw.config.model_name,
-                         "max_model_len": eng.max_model_len})
+                         "max_model_len": gw.engine.max_model_len})
 
 
 async def tokenize(request: Request) -> Response:
@@ -47,7 +46,7 @@ async def tokenize(request: Request) -> Response:
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
-    return JSONResponse({"count": len(ids), "max_model_len": gw.engine.engine.max_model_len,
+    return JSONResponse({"count": len(ids), "max_model_len": gw.engine.max_model_len,
                          "tokens": ids, "token_strs": strs})
 
 
@@ -57,7 +56,7 @@ async def detokenize(request: Request) -> Response:
     try:
         body = await _request(gw, request, DETOKENIZE_FIELDS)
         ids = body.get("tokens")
-        vocab = gw.engine.engine.arch.vocab_size
+        vocab = gw.engine.vocab_size
         if not isinstance(ids, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ProtocolError("invalid_request", f"tokens must be a list of integers in "
@@ -86,7 +85,7 @@ def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:
     """Through the engine, as the endpoints do: a prompt without special tokens (what
     /v1/completions feeds the model), messages through the chat template. With
     add_special_tokens the tokenizer adds its own (BOS...) around the text, as vLLM."""
-    eng = gw.engine.engine
+    eng = gw.engine
     if ("prompt" in body) == ("messages" in body):
         raise ProtocolError("invalid_request", "send either prompt or messages")
     special = _flag(body, "add_special_tokens", False)

@@ -116,7 +116,7 @@ class Session:
         lim = self.limits
         return {"max_inflight": lim.max_inflight_per_connection,
                 "max_message_bytes": lim.max_message_bytes,
-                "max_model_len": self.gw.engine.engine.max_model_len,
+                "max_model_len": self.gw.engine.max_model_len,
                 "resume_grace_s": lim.resume_grace}
 
     def _features(self) -> list[str]:

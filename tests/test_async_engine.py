@@ -244,3 +244,83 @@ def test_cumulative_text_is_kept_as_deltas_and_joined_when_read() -> None:
     assert other.text_chunks != c.text_chunks and other == c
     other.add_text("?")
     assert other != c
+
+
+# -- published stats: what the service reads instead of the scheduler -------------------
+
+
+async def test_the_engine_publishes_a_frozen_stats_snapshot_each_step(tiny_models) -> None:
+    import dataclasses
+
+    from engine.stats import EngineStats
+
+    engine = AsyncEngine(config(tiny_models("llama", 0)))
+    await engine.start()
+    try:
+        first = engine.stats
+        assert first.step == 0 and first.running == first.waiting == 0
+        assert first.max_num_seqs == engine.config.scheduler.max_num_seqs
+        assert engine.queued() == 0
+        prompt = random_prompts(1, 20, 20, 320, seed=5)[0]
+        seen: list[EngineStats] = []
+        async for _ in engine.generate(prompt, GREEDY, "s"):
+            seen.append(engine.stats)
+        await _settled(engine)  # the step after the last output publishes too
+        last = engine.stats
+    finally:
+        await engine.shutdown()
+    assert any(s.running == 1 for s in seen)  # mid-generation, the request is in the batch
+    assert last.step == engine.engine.num_steps > first.step
+    assert last.running == last.waiting == 0 and last.adds_taken == 1
+    assert last.prefix_queries >= 20 and 0.0 <= last.kv_usage <= 1.0
+    assert last.offload is not None and [t.name for t in last.tiers] == ["memory"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        last.running = 3  # type: ignore[misc]
+
+
+async def _settled(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    """Until the engine has published a snapshot with nothing running (deadline-bound)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while engine.stats.running or engine.stats.waiting:
+        assert loop.time() < deadline, engine.stats
+        await asyncio.sleep(0.01)
+
+
+def test_queued_adds_the_requests_the_engine_thread_has_not_taken() -> None:
+    from engine.stats import EngineStats
+
+    engine = AsyncEngine(EngineConfig())  # not started: only the loop-side arithmetic
+    engine._stats = EngineStats(waiting=2, adds_taken=3)
+    engine._adds_sent = 5  # two sent since the snapshot
+    assert engine.queued() == 4
+
+
+def test_metrics_read_only_the_published_stats() -> None:
+    from engine.stats import EngineStats, OffloadCounters, TierCounters
+    from service.metrics import Metrics
+
+    m = Metrics()
+    m.observe_engine(EngineStats(running=3, waiting=4, kv_usage=0.25, prefix_queries=100,
+                                 prefix_hits=40, preemptions=2,
+                                 offload=OffloadCounters(loads=5, written_blocks=7),
+                                 tiers=(TierCounters("redis", lookups=9, errors=1,
+                                                     breaker_open=True),)))
+    text = m.render().decode()
+    for line in ("tidewire_requests_running 3.0", "tidewire_requests_waiting 4.0",
+                 'tidewire_kv_tier_loads{what="written_blocks"} 7.0',
+                 'tidewire_kv_tier_ops{op="lookups",tier="redis"} 9.0',
+                 'tidewire_kv_tier_breaker_open{tier="redis"} 1.0'):
+        assert line in text, line
+
+
+def test_the_service_never_reads_engine_internals() -> None:
+    # the scheduler, the block manager and the tier belong to the engine thread; the
+    # service reads AsyncEngine's properties and its published stats only
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "service"
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        for name in ("engine.engine", ".scheduler", "kv_offload", "engine.offload", "engine.kv."):
+            assert name not in text, f"{path.name} reads {name}"
