@@ -338,31 +338,16 @@ class AsyncEngine:
             return
         eng = self.engine
         overlap = self.config.async_output and eng.runner.overlaps
-        held: list[StepOutput] = []  # the last step's outputs, until the next is under way
+        # The loop is a pipeline: take commands, then schedule and launch a step, and
+        # finish the previous one (send its outputs) once this one is under way.
+        # `pending` carries what is still to go out from one turn to the next.
+        pending: list[StepOutput] = []
         try:
             while True:
-                outs, held = held, []
-                if not self._drain(block=not outs and not eng.has_unfinished(), outs=outs):
+                idle = not pending and not eng.has_unfinished()
+                if not self._drain(block=idle, outs=pending):  # aborts' outputs join pending
                     break
-                self._handed_off = False
-                if not eng.has_unfinished():
-                    self._hand_off(outs)
-                elif overlap:
-                    # The previous step's outputs (and the aborts) go out once this
-                    # step's forward is on the GPU: the loop's fan-out and the engine's
-                    # wait for it (the hand-off) overlap the GPU's work instead of
-                    # coming between two steps. This step's outputs wait for the next.
-                    held = eng.step(launched=partial(self._hand_off, outs))
-                    if not self._handed_off:
-                        self._hand_off(outs)  # the step ran nothing
-                    if held and not eng.has_unfinished():  # no next step to wait for
-                        self._hand_off(held)
-                        held = []
-                else:
-                    # published before the step's block bookkeeping, with the aborts
-                    eng.step(lambda step_outs: self._hand_off(outs + step_outs))
-                    if not self._handed_off:
-                        self._hand_off(outs)  # the step ran nothing
+                pending = self._step(pending, overlap)
                 self._stats = eng.stats(self._adds_taken)
         except BaseException as e:  # the engine is broken: fail every request, loudly
             log.exception("engine thread died")
@@ -370,11 +355,35 @@ class AsyncEngine:
             self._fail_all(repr(e))
             return
         # what was drained before the stop, then every request still running, aborted
-        self._publish(outs + eng.abort(eng.request_ids()))
+        self._publish(pending + eng.abort(eng.request_ids()))
         try:
             eng.close()  # flush cached prefix blocks to the host tier
         except Exception:  # noqa: BLE001 - shutting down regardless
             log.exception("closing the engine failed")
+
+    def _step(self, previous: list[StepOutput], overlap: bool) -> list[StepOutput]:
+        """One turn of the pipeline: run a step (if there is work), handing `previous`
+        off while it runs; returns this step's outputs when they must wait for the next
+        step (overlap), else []. With `overlap` (a GPU step is one graph enqueue) the
+        previous outputs go out once this step's forward is on the device, so the
+        loop's fan-out overlaps the GPU's work. Without it (the CPU computes the whole
+        step) they go out with this step's own, before its block bookkeeping."""
+        eng = self.engine
+        self._handed_off = False
+        if not eng.has_unfinished():
+            self._hand_off(previous)
+            return []
+        current: list[StepOutput] = []
+        if overlap:
+            current = eng.step(launched=partial(self._hand_off, previous))
+        else:
+            eng.step(lambda outs: self._hand_off(previous + outs))
+        if not self._handed_off:  # the step ran nothing
+            self._hand_off(previous)
+        if current and not eng.has_unfinished():  # no next step to wait for
+            self._hand_off(current)
+            current = []
+        return current
 
     def _tell_loaded(self, loaded: asyncio.Future[None], error: BaseException | None) -> bool:
         """Resolve start()'s future from the engine thread; False if the loop is gone."""
