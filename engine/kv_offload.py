@@ -12,35 +12,34 @@ Engine thread (all bookkeeping, all KV tensor access):
   hits. A load that fails, comes back short or passes its deadline leaves the request to
   recompute from the last block that did arrive.
 
-I/O worker thread: lookups, reads (decoded and checked here: a corrupt value is a miss
-and is deleted), and writes (encoded here), loads before writes. A remote tier (Redis)
-is never called from the engine thread, which at most waits on a lookup's answer within
-a 2 ms budget per step: a slow or dead Redis cannot stall a step longer. An in-process
-tier answers the first-block lookup inline (a dict probe under a lock).
+I/O worker thread (engine/kv_io.py): lookups, reads (decoded and checked there: a
+corrupt value is a miss and is deleted), and writes (encoded there), loads before
+writes. A remote tier (Redis) is never called from the engine thread, which at most
+waits on a lookup's answer within a 2 ms budget per step: a slow or dead Redis cannot
+stall a step longer. An in-process tier answers the first-block lookup inline (a dict
+probe under a lock).
+
+The pool's eviction hook is an EvictionLog, given to the block manager when it is built:
+it only records (block, hash) pairs, and `capture` takes them.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
-import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
-from cache_store import CorruptValue, KVTier, decode_block, encode_block
+from cache_store import KVTier
 from engine.block_manager import KVCacheManager
 from engine.config import TierConfig
+from engine.kv_io import BlockFormat, LoadJob, OffloadStats, TierWorker, WriteJob, tier_key
 from engine.request import Request
-from engine.runner import BlockCopy, ModelRunner
+from engine.runner import ModelRunner
 
-log = logging.getLogger("tidewire.kv_offload")
-
-KEY_PREFIX = "tw:kv:v1"
 LAYOUT = "layers,2,block_size,kv_heads,head_dim;v1"  # canonical block layout of the payload
 _KNOWN_LIMIT = 1 << 18  # hashes remembered as already in the tier (write dedupe)
 _STAGING_BYTES = 64 << 20
@@ -60,78 +59,50 @@ def kv_fingerprint(model_id: str, weights_checksum: str, kv_dtype: str, block_si
     return h.digest()
 
 
-def tier_key(fingerprint: bytes, chain_hash: bytes) -> str:
-    """`tw:kv:v1:{fingerprint}:{chain_hash}` (hex). The chain hash already covers the
-    tenant salt and every token of the prefix."""
-    return f"{KEY_PREFIX}:{fingerprint.hex()}:{chain_hash.hex()}"
+class EvictionLog:
+    """The block pool's on_evict hook: records each evicted cached block until taken."""
 
+    def __init__(self) -> None:
+        self._items: list[tuple[int, bytes]] = []
 
-@dataclass(eq=False)
-class _Load:
-    req: Request
-    first: int  # index of the first block asked for (those before are on the device)
-    hashes: list[bytes]
-    keys: list[str]
-    deadline: float
-    payloads: list[memoryview] | None = None  # set by the worker, then done
-    done: bool = False
-    cancelled: bool = False
-    found: int = -1  # the tier's contiguous hit count, once looked up (then looked_up set)
-    looked_up: threading.Event = field(default_factory=threading.Event)
+    def __call__(self, block_id: int, block_hash: bytes) -> None:
+        self._items.append((block_id, block_hash))
 
+    def __bool__(self) -> bool:
+        return bool(self._items)
 
-@dataclass(eq=False)
-class _Write:
-    hashes: list[bytes]
-    data: BlockCopy  # [n, *block_shape], a private copy (maybe still in flight)
-
-
-@dataclass
-class OffloadStats:
-    loads: int = 0  # tier loads started
-    load_blocks: int = 0  # blocks that arrived
-    load_bytes: int = 0
-    load_seconds: float = 0.0  # worker time spent loading (sum)
-    load_timeouts: int = 0
-    corrupt: int = 0  # values rejected by the codec (and deleted)
-    written_blocks: int = 0
-    dropped_writes: int = 0  # blocks not written: the write queue was full
+    def take(self) -> list[tuple[int, bytes]]:
+        items, self._items = self._items, []
+        return items
 
 
 class KVOffload:
     """The engine's side of the host tier; implements the scheduler's TierLoader."""
 
     def __init__(self, tier: KVTier, config: TierConfig, kv: KVCacheManager,
-                 runner: ModelRunner, fingerprint: bytes) -> None:
+                 runner: ModelRunner, fingerprint: bytes, evicted: EvictionLog) -> None:
+        """`evicted`: the hook the block manager's pool was built with."""
         self.tier, self.config, self.kv, self.runner = tier, config, kv, runner
         self.fingerprint = fingerprint
         self.shape = runner.block_shape()
         self.dtype = runner.kv_caches[0][0].dtype
-        self.dtype_name = str(self.dtype).removeprefix("torch.")
-        self.itemsize = self.dtype.itemsize
         self.stats = OffloadStats()
-        self._loads: dict[str, _Load] = {}
-        self._evicted: list[tuple[int, bytes]] = []
+        self._loads: dict[str, LoadJob] = {}
+        self._evicted = evicted
         self._captured: list[tuple[list[bytes], torch.Tensor]] = []  # snapshots to ship
         self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the tier has
-        self._cv = threading.Condition()
-        self._load_q: deque[_Load] = deque()
-        self._write_q: deque[_Write] = deque()
-        self._pending_writes = 0  # blocks queued or being written
-        self._stopping = False
-        self._arrived = threading.Event()
         self._waited = 0.0  # seconds spent this step waiting on lookups
         # Loads land here before going into the cache: allocated and touched once, since
         # faulting in tens of fresh MB per load cost more than the copies themselves.
-        block_bytes = math.prod(self.shape) * self.itemsize
+        block_bytes = math.prod(self.shape) * self.dtype.itemsize
         n = max(1, min(kv.pool.num_blocks, _STAGING_BYTES // block_bytes))
         self._staging = torch.zeros((n, *self.shape), dtype=self.dtype)
         self._staging_bytes = self._staging.view(torch.uint8).reshape(n, -1).numpy()
-        kv.pool.on_evict = self._on_evict
         if config.write_through:
             kv.new_prompt_blocks = []
-        self._thread = threading.Thread(target=self._work, name="tidewire-kv-io", daemon=True)
-        self._thread.start()
+        fmt = BlockFormat(fingerprint, str(self.dtype).removeprefix("torch."), self.shape,
+                          self.dtype.itemsize)
+        self.worker = TierWorker(tier, fmt, self.stats, config.max_pending_writes)
 
     # -- TierLoader (engine thread) ---------------------------------------------------------
 
@@ -145,11 +116,9 @@ class KVOffload:
         keys = [tier_key(self.fingerprint, h) for h in hashes]
         if self.tier.local and not self.tier.lookup(keys[:1]):
             return False  # in-process: a miss costs nothing, skip the LOADING round
-        job = _Load(req, num_device_blocks, hashes, keys,
-                    time.monotonic() + self.config.load_timeout)
-        with self._cv:
-            self._load_q.append(job)
-            self._cv.notify()
+        job = LoadJob(req, num_device_blocks, hashes, keys,
+                      time.monotonic() + self.config.load_timeout)
+        self.worker.load(job)
         if self._lookup_misses(job):
             return False  # nothing in the tier: admit it now instead of a LOADING round
         self._loads[req.request_id] = job
@@ -160,7 +129,7 @@ class KVOffload:
         """Reset the per-step budget for waiting on lookups (called before schedule)."""
         self._waited = 0.0
 
-    def _lookup_misses(self, job: _Load) -> bool:
+    def _lookup_misses(self, job: LoadJob) -> bool:
         """Wait briefly for a remote lookup: a miss (the common case) answered within
         the step's small budget (2 ms in all, ~0.2 ms a lookup on a LAN) keeps the
         request out of LOADING, which would cost it a whole step. A slow Redis costs at
@@ -197,10 +166,10 @@ class KVOffload:
 
     def wait(self, timeout: float) -> None:
         """Block the engine thread until a load arrives (when nothing else can run)."""
-        self._arrived.wait(timeout)
-        self._arrived.clear()
+        self.worker.arrived.wait(timeout)
+        self.worker.arrived.clear()
 
-    def _insert(self, job: _Load) -> None:
+    def _insert(self, job: LoadJob) -> None:
         """Put the loaded blocks into free device blocks, cached under their hashes and
         left free (the request's admission takes them as prefix hits)."""
         pool = self.kv.pool
@@ -243,16 +212,14 @@ class KVOffload:
 
     # -- writes (engine thread side) ----------------------------------------------------------
 
-    def _on_evict(self, block_id: int, block_hash: bytes) -> None:
-        if block_hash not in self._known:
-            self._evicted.append((block_id, block_hash))
-
     def capture(self) -> None:
-        """Snapshot the blocks evicted since the last call (one gather on the device);
-        must run before the model (or a load) writes into them. ship() sends them on."""
+        """Snapshot the blocks evicted since the last call that the tier does not have
+        (one gather on the device); must run before the model (or a load) writes into
+        them. ship() sends them on."""
         if self._evicted:
-            ev, self._evicted = self._evicted, []
-            self._snapshot([h for _, h in ev], [b for b, _ in ev], block=False)
+            ev = [(b, h) for b, h in self._evicted.take() if h not in self._known]
+            if ev:
+                self._snapshot([h for _, h in ev], [b for b, _ in ev], block=False)
 
     @property
     def captured(self) -> bool:
@@ -266,10 +233,8 @@ class KVOffload:
         wait for the device."""
         if self._captured:
             captured, self._captured = self._captured, []
-            writes = [_Write(hashes, self.runner.to_host(blocks)) for hashes, blocks in captured]
-            with self._cv:
-                self._write_q.extend(writes)
-                self._cv.notify_all()
+            self.worker.write([WriteJob(hashes, self.runner.to_host(blocks))
+                               for hashes, blocks in captured])
 
     def write_through(self) -> None:
         """Queue the prompt blocks that became full this step (write-through mode)."""
@@ -293,24 +258,15 @@ class KVOffload:
             self._snapshot([h for _, h in part], [b for b, _ in part], block=True,
                            deadline=deadline)
             self.ship()
-        with self._cv:
-            while self._pending_writes and time.monotonic() < deadline:
-                self._cv.wait(deadline - time.monotonic())
+        self.worker.drain(deadline)
         return len(todo)
 
     def _snapshot(self, hashes: list[bytes], block_ids: list[int], block: bool,
                   deadline: float = 0.0) -> None:
         """Reserve room in the write queue (or drop the blocks: the tier is a cache) and
         take their device snapshot."""
-        with self._cv:
-            limit = self.config.max_pending_writes
-            while block and self._pending_writes + len(hashes) > limit \
-                    and time.monotonic() < deadline:
-                self._cv.wait(deadline - time.monotonic())
-            if self._pending_writes + len(hashes) > limit:
-                self.stats.dropped_writes += len(hashes)
-                return
-            self._pending_writes += len(hashes)
+        if not self.worker.reserve(len(hashes), deadline if block else 0.0):
+            return
         self._captured.append((hashes, self.runner.snapshot_blocks(block_ids)))
         for h in hashes:
             self._remember(h)
@@ -322,82 +278,16 @@ class KVOffload:
         if len(known) > _KNOWN_LIMIT:
             known.popitem(last=False)
 
-    # -- the I/O worker ------------------------------------------------------------------------
-
-    def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not (self._load_q or self._write_q or self._stopping):
-                    self._cv.wait()
-                if self._load_q:
-                    job: _Load | _Write = self._load_q.popleft()
-                elif self._write_q:
-                    job = self._write_q.popleft()
-                else:
-                    return
-            try:
-                self._load(job) if isinstance(job, _Load) else self._write(job)
-            except Exception:  # noqa: BLE001 - the worker must survive anything a tier does
-                log.exception("kv tier I/O failed")
-                if isinstance(job, _Load):
-                    job.payloads, job.done = [], True
-                    self._arrived.set()
-                else:
-                    self._written(job, 0)
-
-    def _load(self, job: _Load) -> None:
-        t0 = time.monotonic()
-        payloads: list[memoryview] = []
-        if not job.cancelled:
-            job.found = n = self.tier.lookup(job.keys)
-            job.looked_up.set()
-            vals = self.tier.get_many(job.keys[:n]) if n and not job.cancelled else []
-            for key, h, v in zip(job.keys, job.hashes, vals):
-                if v is None:
-                    break  # gone since the lookup: recompute from here
-                try:
-                    payloads.append(decode_block(v, self.fingerprint, h, self.dtype_name,
-                                                 self.shape, self.itemsize))
-                except CorruptValue as e:
-                    log.warning("corrupt kv block %s (%s): deleted", key, e)
-                    self.stats.corrupt += 1
-                    self.tier.delete([key])
-                    break
-        st = self.stats
-        st.load_seconds += time.monotonic() - t0
-        st.load_blocks += len(payloads)
-        st.load_bytes += sum(len(p) for p in payloads)
-        job.payloads = payloads
-        job.done = True
-        self._arrived.set()
-
-    def _write(self, job: _Write) -> None:
-        raw = job.data.wait().view(torch.uint8).reshape(len(job.hashes), -1).numpy()
-        items = [(tier_key(self.fingerprint, h),
-                  encode_block(self.fingerprint, h, self.dtype_name, self.shape, raw[i]))
-                 for i, h in enumerate(job.hashes)]
-        self._written(job, self.tier.put_many(items))
-
-    def _written(self, job: _Write, stored: int) -> None:
-        with self._cv:
-            self._pending_writes -= len(job.hashes)
-            self.stats.written_blocks += stored
-            self._cv.notify_all()
-
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the worker (after the writes already queued) and close the tier."""
         self.ship()
         self.stop()
-        self._thread.join(timeout=30)
+        self.worker.thread.join(timeout=30)
         self.tier.close()
-        self.kv.pool.on_evict = None  # no cycle left: freed as soon as the engine is
 
     def stop(self) -> None:
-        """Let the worker exit once its queues are empty, without waiting for it. The
-        running worker holds this object (and through it the runner's weights and KV
-        pool), so an engine that is dropped without close() calls this to be freed."""
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
+        """Let the worker exit once its queues are empty, without waiting for it (an
+        engine dropped without close() calls this)."""
+        self.worker.stop()

@@ -20,7 +20,7 @@ import torch
 from engine.block_manager import KVCacheManager
 from engine.config import EngineConfig  # defined there; importing it from here still works
 from engine.detokenizer import IncrementalDetokenizer, byte_level_table
-from engine.kv_offload import KVOffload, kv_fingerprint
+from engine.kv_offload import EvictionLog, KVOffload, kv_fingerprint
 from engine.loader import (cache_root, load_tokenizer, load_weights, resolve_model,
                            sampling_defaults, weights_checksum)
 from engine.model import ModelArch
@@ -96,7 +96,11 @@ class LLMEngine:
         self.sampling_defaults = self._sampling_defaults()
         cc = config.cache
         self.num_blocks = cc.num_blocks or self._auto_num_blocks()
-        self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching)
+        # a host tier hears of every cached block the pool evicts (to copy it out)
+        tiered = config.tier.kind != "none" and cc.enable_prefix_caching
+        self._evicted = EvictionLog() if tiered else None
+        self.kv = KVCacheManager(self.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 on_evict=self._evicted)
         if config.attention_backend == "cpu":
             with progress.phase("CPU kernels (compiled once per machine)"):
                 cpu_ops.available()
@@ -134,7 +138,7 @@ class LLMEngine:
         from cache_store import make_tier
 
         tc = self.config.tier
-        if tc.kind == "none" or not self.config.cache.enable_prefix_caching:
+        if self._evicted is None:  # no tier, or no prefix caching
             return None
         tier = make_tier(tc.kind, tc.memory_bytes, tc.redis_url, tc.ttl, tc.io_timeout)
         assert tier is not None
@@ -145,7 +149,7 @@ class LLMEngine:
             str(self.dtype).removeprefix("torch.") + ("" if self.config.quantization == "none"
                                                       else f"+w{self.config.quantization}"),
             self.config.cache.block_size, a.num_layers, a.num_kv_heads, a.head_dim)
-        return KVOffload(tier, tc, self.kv, self.runner, self.kv_fingerprint)
+        return KVOffload(tier, tc, self.kv, self.runner, self.kv_fingerprint, self._evicted)
 
     def close(self, flush: bool = True) -> None:
         """Write the cached prefix blocks to the host tier (graceful shutdown) and stop

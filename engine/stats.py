@@ -24,7 +24,7 @@ class TierCounters:
 
 @dataclass(frozen=True, slots=True)
 class OffloadCounters:
-    """The engine side of the host tier (engine.kv_offload.OffloadStats)."""
+    """The engine side of the host tier (engine.kv_io.OffloadStats)."""
 
     loads: int = 0
     load_blocks: int = 0

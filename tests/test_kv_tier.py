@@ -18,7 +18,8 @@ import pytest
 from cache_store import RedisTier
 from engine import LLM, SamplingParams
 from engine.block_manager import hash_block, root_hash
-from engine.kv_offload import kv_fingerprint, tier_key
+from engine.kv_io import tier_key
+from engine.kv_offload import kv_fingerprint
 from tests.conftest import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def test_greedy_identical_off_device_hit_restart_and_second_process(tiny_models,
     c = make_llm(path, kv_tier="redis", redis_url=redis_server.url, kv_tier_write_through=True)
     assert run(c, ps2)[0] == ref2
     deadline = time.monotonic() + 10
-    while c.engine.offload._pending_writes and time.monotonic() < deadline:
+    while c.engine.offload.worker.pending_writes and time.monotonic() < deadline:
         time.sleep(0.01)
     other = second_process(path, redis_server.url, ps2)
     assert other["tokens"] == ref2
@@ -122,7 +123,7 @@ def test_keys_are_stable_across_processes_and_separate_models_and_tenants() -> N
     chain = hash_block(root_hash(b"tenant-a"), list(range(16)))
     here = tier_key(fp, chain)
     code = ("import sys; sys.path.insert(0, sys.argv[1]);"
-            "from engine.kv_offload import kv_fingerprint, tier_key;"
+            "from engine.kv_io import tier_key; from engine.kv_offload import kv_fingerprint;"
             "from engine.block_manager import hash_block, root_hash;"
             "print(tier_key(kv_fingerprint('llama', 'abc123', 'bfloat16', 16, 30, 3, 64),"
             " hash_block(root_hash(b'tenant-a'), list(range(16)))))")
@@ -268,7 +269,7 @@ def test_evicted_between_lookup_and_load_or_too_slow(tiny_models, redis_server,
     from engine.config import TierConfig
 
     off = llm.engine.offload
-    off.tier = tier_cls(redis_server.url)
+    off.tier = off.worker.tier = tier_cls(redis_server.url)
     off.config = TierConfig("redis", redis_server.url, 0, load_timeout=0.2)
     toks, host = run(llm, ps)
     assert toks == ref
@@ -301,7 +302,7 @@ def test_no_leaks_after_1000_requests_with_tier_traffic(tiny_models) -> None:
     assert mem.stats.hits > 100 and off.stats.written_blocks > 100  # it really cycled
     assert len(off._known) <= 1 << 18
     llm.close()
-    assert off._pending_writes == 0
+    assert off.worker.pending_writes == 0
 
 
 async def test_socket_warm_start_frames_http_warm_and_tier_metrics(tiny_models,
@@ -383,12 +384,11 @@ def test_write_queue_is_bounded_and_drops_under_backpressure(tiny_models, redis_
     ref = hf_greedy(path, ps, MAX_TOKENS)
     llm = _redis_only(path, redis_server.url, num_kv_blocks=24, kv_tier_write_through=True)
     off = llm.engine.offload
-    off.tier = SlowPutTier(redis_server.url)
-    off.config = TierConfig("redis", redis_server.url, 0, write_through=True,
-                            max_pending_writes=6)
+    off.tier = off.worker.tier = SlowPutTier(redis_server.url)
+    off.worker.max_pending_writes = 6
     for i in range(0, len(ps), 3):
         assert run(llm, ps[i : i + 3])[0] == ref[i : i + 3]
-        assert off._pending_writes <= 6
+        assert off.worker.pending_writes <= 6
     assert off.stats.dropped_writes > 0 and off.stats.written_blocks > 0
     llm.close(flush=False)
 
@@ -484,7 +484,7 @@ def test_an_engine_dropped_without_close_is_freed(tiny_models) -> None:
 
     llm = LLM(model=str(tiny_models("llama")), num_kv_blocks=64)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
-    runner, worker = weakref.ref(llm.engine.runner), llm.engine.offload._thread
+    runner, worker = weakref.ref(llm.engine.runner), llm.engine.offload.worker.thread
     del llm
     deadline = time.monotonic() + 10
     while (runner() is not None or worker.is_alive()) and time.monotonic() < deadline:
