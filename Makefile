@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test serve bench clean
+.PHONY: install system-deps test lint serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -42,6 +42,11 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 
 test: install
 	$(VPY) -m pytest -rs --durations=15
+
+# ruff over the Python trees, mypy over the public API packages (config: pyproject.toml)
+lint: install
+	$(VENV)/bin/ruff check engine service cache_store kernels bench tests clients/python
+	$(VENV)/bin/mypy
 
 serve: install
 	$(VENV)/bin/tidewire serve --host $(HOST) --port $(PORT)

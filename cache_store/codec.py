@@ -54,12 +54,12 @@ def encode_block(fingerprint: bytes, chain_hash: bytes, dtype: str, shape: tuple
     out[HEADER_SIZE:] = src  # first: fresh pages fault in here, outside the GIL
     dims = list(shape) + [0] * (MAX_DIMS - len(shape))
     header = _HEADER.pack(MAGIC, FORMAT_VERSION, HEADER_SIZE, dtype.encode("ascii"), len(shape),
-                          *dims, fingerprint, chain_hash, src.size, zlib.crc32(src))
+                          *dims, fingerprint, chain_hash, src.size, zlib.crc32(src.data))
     out[:HEADER_SIZE] = np.frombuffer(header, dtype=np.uint8)
-    return memoryview(out)
+    return out.data
 
 
-def decode_block(value: bytes, fingerprint: bytes, chain_hash: bytes, dtype: str,
+def decode_block(value: bytes | memoryview, fingerprint: bytes, chain_hash: bytes, dtype: str,
                  shape: tuple[int, ...], itemsize: int) -> memoryview:
     """The payload of a value written for exactly this (fingerprint, chain hash, dtype,
     shape); raises CorruptValue for anything else."""

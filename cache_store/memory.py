@@ -23,7 +23,7 @@ class MemoryTier(KVTier):
             raise ValueError("capacity_bytes must be >= 0")
         self.capacity = capacity_bytes
         self.used = 0
-        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._data: OrderedDict[str, bytes | memoryview] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:

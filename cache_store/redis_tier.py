@@ -98,7 +98,7 @@ class RedisTier(KVTier):
         self.breaker.success()
         return out
 
-    def _pipeline(self, build: Callable[[redis.client.Pipeline], None]) -> Callable[[], list]:
+    def _pipeline(self, build: Callable[[redis.client.Pipeline], object]) -> Callable[[], list]:
         def run() -> list:
             pipe = self._client.pipeline(transaction=False)
             build(pipe)
@@ -109,7 +109,7 @@ class RedisTier(KVTier):
         self.stats.add(lookups=len(keys))
         if not keys:
             return 0
-        found = self._call(self._pipeline(lambda p: [p.exists(k) for k in keys]), [])
+        found: list[int] = self._call(self._pipeline(lambda p: [p.exists(k) for k in keys]), [])
         n = 0
         for hit in found:
             if not hit:
@@ -117,27 +117,29 @@ class RedisTier(KVTier):
             n += 1
         return n
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         # Pipelines of GET_CHUNK keys: a few MB per reply instead of one reply of tens of
         # MB, which the client parses in a buffer it keeps growing (3-10x slower here).
-        vals: list[bytes | None] = []
+        vals: list[bytes | memoryview | None] = []
         for i in range(0, len(keys), GET_CHUNK):
             part = keys[i : i + GET_CHUNK]
-            got = self._call(self._pipeline(lambda p, part=part: [p.getex(k, ex=self.ttl)
-                                                                  for k in part]), None)
+            def build(p: redis.client.Pipeline, part: Sequence[str] = part) -> object:
+                return [p.getex(k, ex=self.ttl) for k in part]
+
+            got = self._call(self._pipeline(build), None)
             if got is None:  # failed: the rest are misses too
                 vals += [None] * (len(keys) - i)
                 break
             vals += got
-        got = [v for v in vals if v is not None]
-        self.stats.add(hits=len(got), misses=len(keys) - len(got),
-                       bytes_read=sum(len(v) for v in got))
+        hits = [v for v in vals if v is not None]
+        self.stats.add(hits=len(hits), misses=len(keys) - len(hits),
+                       bytes_read=sum(len(v) for v in hits))
         return list(vals)
 
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         if not items:
             return 0
-        res = self._call(self._pipeline(
+        res: list[bool] = self._call(self._pipeline(
             lambda p: [p.set(k, v, ex=self.ttl, nx=True) for k, v in items]), [])
         stored = [len(v) for (_, v), ok in zip(items, res) if ok]
         self.stats.add(puts=len(stored), bytes_written=sum(stored))

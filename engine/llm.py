@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -61,9 +61,11 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); results in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = self._params_list(params, len(prompts))
-        reqs = [self.engine.make_request(p, sp, self._next_id()) for p, sp in zip(prompts, plist)]
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
+        plist = self._params_list(params, len(batch))
+        reqs = [self.engine.make_request(p, sp, self._next_id()) for p, sp in zip(batch, plist)]
         return self._run(reqs, use_tqdm)
 
     def chat(self, conversations: list[dict[str, str]] | Sequence[list[dict[str, str]]],
@@ -72,14 +74,16 @@ class LLM:
         """Apply the chat template to each conversation (a list of {role, content}), then
         generate."""
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        ids = [self.engine.apply_chat_template(list(c)) for c in conversations]
+            convs = [cast(list[dict[str, str]], conversations)]
+        else:
+            convs = list(cast(Sequence[list[dict[str, str]]], conversations))
+        ids: list[Prompt] = [self.engine.apply_chat_template(list(c)) for c in convs]
         return self.generate(ids, params, use_tqdm)
 
     def default_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams with the model's defaults (generation_config.json or the
         registry) for the fields `overrides` leaves out; used when `params` is None."""
-        return SamplingParams(**{**self.engine.sampling_defaults, **overrides})
+        return SamplingParams(**{**self.engine.sampling_defaults, **overrides})  # type: ignore[arg-type]
 
     def _params_list(self, params: SamplingParams | Sequence[SamplingParams] | None,
                      n: int) -> list[SamplingParams]:

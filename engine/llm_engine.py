@@ -13,7 +13,7 @@ import weakref
 from functools import partial
 from pathlib import Path
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -174,7 +174,7 @@ class LLMEngine:
         """The model's defaults for unset sampling fields; invalid ones are ignored."""
         found = sampling_defaults(self.config.model, self.model_dir)
         try:
-            SamplingParams(**found)
+            SamplingParams(**found)  # type: ignore[arg-type]  # checked here, at run time
         except (TypeError, ValueError) as e:
             log.warning("ignoring the model's sampling defaults %s: %s", found, e)
             return {}
@@ -296,7 +296,7 @@ class LLMEngine:
         """A snapshot of the scheduler, the block manager and the host tier, for other
         threads to read (call it on the thread that steps the engine)."""
         s, kv = self.scheduler, self.kv
-        offload, tiers = None, ()
+        offload, tiers = None, cast(tuple[TierCounters, ...], ())
         if self.offload is not None:
             o = self.offload.stats
             offload = OffloadCounters(o.loads, o.load_blocks, o.load_timeouts, o.corrupt,

@@ -15,6 +15,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -77,7 +78,7 @@ def _convert(gguf: Path, src: GGUFSource, out: Path) -> Path:
     return out
 
 
-def _save_dequantized(model: torch.nn.Module, out: Path) -> None:
+def _save_dequantized(model: Any, out: Path) -> None:  # a transformers PreTrainedModel
     """Write fp32 safetensors + a plain config.json (transformers refuses to
     save_pretrained a model loaded from GGUF, so the files are written here)."""
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}

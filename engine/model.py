@@ -272,6 +272,7 @@ class LlamaModel:
             h = self._attention(h, rot, layer, k_cache, v_cache, meta)
             h, residual = ops.rms_norm(h, layer.post_norm, eps, residual)
             x = layer.down(ops.silu_and_mul(layer.gate_up(h)))
+        assert residual is not None  # set by the first layer
         x, _ = ops.rms_norm(x[logits_rows], self.norm, eps, residual[logits_rows])
         return self.lm_head(x)
 

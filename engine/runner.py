@@ -143,7 +143,8 @@ class ModelRunner:
             launched()
         inputs = self.prepare(decodes, prefills)
         if self.cpu_step is not None and not prefills and self.cpu_step.fits(len(decodes)):
-            logits = self.cpu_step.run(inputs.input_ids, inputs.positions, inputs.meta)
+            logits = self.cpu_step.run(inputs.input_ids, inputs.positions,
+                                       inputs.meta)  # type: ignore[arg-type]  # the cpu backend's
             if len(inputs.sample_ids) < len(decodes):
                 logits = logits[inputs.logits_rows]
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +55,8 @@ def _rows(batch: SamplingBatch, pred) -> list[int]:  # noqa: ANN001 - predicate 
     return [i for i, p in enumerate(batch.params) if pred(p)]
 
 
-def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor,
+                     biases: Sequence[Mapping[int, float]]) -> torch.Tensor:
     """logits [rows, vocab] += bias per row (in place). Ids past the vocabulary are ignored."""
     vocab = logits.shape[-1]
     r = [i for i, b in enumerate(biases) for t in b if t < vocab]
@@ -307,8 +309,8 @@ class Sampler:
             return [None] * len(want)
         k = max(p.logprobs or 0 for p in batch.params)
         chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
-        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0]))
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        tv, ti = (lp.topk(k, dim=-1) if k else (lp[:, :0], tokens[:, None][:, :0]))
+        top_v, top_i = tv.tolist(), ti.tolist()
         out: list[TokenLogprob | None] = []
         for r, p in enumerate(batch.params):
             if not want[r]:

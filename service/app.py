@@ -153,7 +153,7 @@ class OriginCORS(CORSMiddleware):
     def is_allowed_origin(self, origin: str) -> bool:
         return origin_allowed(origin, None, self.allowed)
 
-    async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
+    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[override]  # noqa: ANN001 - ASGI
         """CORS only withholds a response from the page; the request would still run
         (a "simple" POST needs no preflight). So an HTTP request from an origin the
         list refuses is answered 403 here, as the WebSocket handshake is, before it
@@ -251,7 +251,8 @@ def create_app(config: ServiceConfig) -> RawSend:
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/warm", openai_api.warm, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
-        *([Mount("/sdk", ReadOnlyFiles(JS_SDK), name="sdk")] if JS_SDK.is_dir() else []),
+        *([Mount("/sdk", ReadOnlyFiles(JS_SDK), name="sdk")]  # type: ignore[arg-type]  # ASGI app
+          if JS_SDK.is_dir() else []),
     ]
     # CORS is pure ASGI and passes WebSocket scopes through untouched (ws.py checks
     # their Origin); unknown paths and wrong methods answer in OpenAI's error shape.
@@ -260,5 +261,5 @@ def create_app(config: ServiceConfig) -> RawSend:
                     exception_handlers={HTTPException: openai_api.http_error})
     # The page's files are what no route matched, not a mount at /: a mount there
     # matches every path, so a wrong method on a known one would be a 404, not a 405.
-    app.router.default = ReadOnlyFiles(STATIC, html=True)
+    app.router.default = ReadOnlyFiles(STATIC, html=True)  # type: ignore[assignment]  # ASGI app
     return RawSend(LoadingGate(app))

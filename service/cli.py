@@ -74,8 +74,8 @@ def env_arg(p: Any, flag: str, env: str, *, default: Any = None,
     if type is int:
         kw.setdefault("metavar", "N")
     action = p.add_argument(flag, default=value, **kw)
-    action.env = name  # type: ignore[attr-defined] - read by _HelpFormatter and tests
-    action.env_error = error  # type: ignore[attr-defined] - reported by _Parser
+    action.env = name  # type: ignore[attr-defined]  # read by _HelpFormatter and tests
+    action.env_error = error  # type: ignore[attr-defined]  # reported by _Parser
     if default_text is not None:
         action.default_text = default_text  # type: ignore[attr-defined]
     return action
@@ -163,7 +163,7 @@ class _Parser(argparse.ArgumentParser):
         self.load_args()
         for action in self._actions:
             if getattr(action, "env_error", None):
-                self.error(action.env_error)
+                self.error(action.env_error)  # type: ignore[attr-defined]
         return super().parse_known_args(args, namespace)
 
 
@@ -257,7 +257,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         threads=a.threads, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, block_size=a.block_size,
         kv_cache_memory=_gib(a.kv_cache_memory_gb), num_kv_blocks=a.num_kv_blocks,
-        enable_prefix_caching=a.prefix_caching, kv_prefault=a.kv_prefault, kv_tier=a.kv_tier, redis_url=a.redis_url,
+        enable_prefix_caching=a.prefix_caching, kv_prefault=a.kv_prefault, kv_tier=a.kv_tier,
+        redis_url=a.redis_url,
         kv_tier_memory=_gib(a.kv_tier_memory_gb), kv_tier_ttl=a.kv_tier_ttl,
         kv_tier_write_through=a.kv_tier_write_through, seed=a.seed, **serve_only)
 

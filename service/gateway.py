@@ -10,6 +10,7 @@ import hashlib
 import time
 import uuid
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from engine import AsyncEngine, PromptTooLongError, SamplingParams
@@ -69,7 +70,8 @@ class Gateway:
 
     # -- auth ------------------------------------------------------------------------------
 
-    def authenticate(self, authorization: str | None, subprotocols: list[str] = ()) -> Principal:
+    def authenticate(self, authorization: str | None,
+                     subprotocols: Sequence[str] = ()) -> Principal:
         """Bearer header, or the browser subprotocol tidewire.auth.<base64url key>."""
         keys = self.config.api_keys
         if not keys:
@@ -141,7 +143,7 @@ class Gateway:
                           prompt, messages, warm=True)
         last = None
         try:
-            async for last in adm.stream:
+            async for last in adm.stream:  # noqa: B007 - the last output is what we want
                 pass
         finally:
             if not adm.stream.finished:
@@ -234,12 +236,14 @@ class Gateway:
         raise invalid_request."""
         d = self.detached.get(session_id)
         live = d.lives.get(rid) if d is not None and d.key == principal.key else None
+        assert d is not None or live is None
         if live is None:
             raise ProtocolError("invalid_request", f"nothing to resume for {rid!r} in that "
                                 "session: unknown, finished and delivered, or expired", rid)
         if after_seq > live.seq:
             raise ProtocolError("invalid_request", f"after_seq {after_seq} is past the last "
                                 f"delta sent ({live.seq})", rid)
+        assert d is not None
         del d.lives[rid]
         if not d.lives:
             self._drop(session_id)

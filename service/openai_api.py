@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -75,7 +75,8 @@ def sampling_params(body: dict[str, Any], chat: bool,
     unknown = sorted(set(body) - set(FIELDS))
     if unknown:
         raise ProtocolError("invalid_request", f"unknown parameter(s): {', '.join(unknown)}")
-    kw = {FIELDS[k]: v for k, v in body.items() if FIELDS.get(k) and v is not None}
+    kw: dict[str, Any] = {FIELDS[k]: v for k, v in body.items()  # type: ignore[misc]
+                          if FIELDS.get(k) and v is not None}
     lp = body.get("logprobs")
     if chat and lp:
         kw["logprobs"] = body.get("top_logprobs") or 0
@@ -83,7 +84,8 @@ def sampling_params(body: dict[str, Any], chat: bool,
         kw["logprobs"] = lp
     kw.setdefault("max_tokens", 16 if not chat else 512)
     try:
-        return SamplingParams(**{**(defaults or {}), **kw})
+        merged: dict[str, Any] = {**(defaults or {}), **kw}
+        return SamplingParams(**merged)
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e)) from None
 
@@ -172,7 +174,7 @@ class _Job:
     base: int = 0
     echo: str | None = None
     logprobs: bool = False  # asked for: an echoed prompt then lists its tokens too
-    timings: Timings | None = None
+    timings: Timings = field(init=False)
     last: RequestOutput | None = None
 
     def __post_init__(self) -> None:
@@ -192,7 +194,8 @@ def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
     try:
         for i, prompt in enumerate(prompts):
             adm = gw.submit(principal, params, None, prompt, messages)
-            jobs.append(_Job(adm, i * params.n, _echo_text(gw, adm, prompt) if echo else None,
+            jobs.append(_Job(adm, i * params.n,
+                             _echo_text(gw, adm, prompt) if echo else None,  # type: ignore[arg-type]
                              params.logprobs is not None))
     except ProtocolError:
         _end(gw, jobs)
@@ -205,7 +208,7 @@ def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
     (each its own prompt, with `n` choices of its own)."""
     prompt = body.get("prompt")
     if _one_prompt(prompt):
-        return [prompt]
+        return [prompt]  # type: ignore[list-item]  # _one_prompt checked it
     if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
         return list(prompt)
     raise ProtocolError("invalid_request", "prompt must be a string, a list of token ids, "
@@ -245,7 +248,7 @@ async def _outputs(jobs: list[_Job]) -> AsyncIterator[tuple[_Job, RequestOutput]
     consumed before the next take(), which is what keeps its cumulative fields valid."""
     if len(jobs) == 1:
         job = jobs[0]
-        async for job.last in job.adm.stream:
+        async for job.last in job.adm.stream:  # noqa: B020 - each output lands on its job
             yield job, job.last
         return
     ready = asyncio.Event()
@@ -378,7 +381,8 @@ async def _whole(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool
     finally:
         _end(gw, jobs)
     tok = gw.engine.tokenizer
-    choices = [_choice(job, o, chat, tok, table) for job in jobs for o in job.last.outputs]
+    choices = [_choice(job, o, chat, tok, table) for job in jobs
+               for o in job.last.outputs]  # type: ignore[union-attr]  # every job has ended
     obj = "chat.completion" if chat else "text_completion"
     return JSONResponse({**meta, "object": obj, "choices": choices, "usage": _usage(jobs)})
 

@@ -143,8 +143,8 @@ def parse_generate(msg: dict[str, Any], defaults: dict[str, Any] | None = None) 
         raise ProtocolError("invalid_request", "params must be an object", rid)
     try:
         # null means "unset", as over HTTP: the default (or the field's own) applies
-        given = {k: v for k, v in params.items() if v is not None}
-        sp = SamplingParams.from_dict({**(defaults or {}), **given})
+        set_fields = {k: v for k, v in params.items() if v is not None}
+        sp = SamplingParams.from_dict({**(defaults or {}), **set_fields})
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e), rid) from None
     return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp)

@@ -53,7 +53,8 @@ class _TellingServerProtocol(ServerProtocol):
         # uvicorn negotiates the subprotocol with the app, not with websockets: note the
         # one the accepted handshake names, which picks the error frame's encoding
         if response.status_code == 101:
-            self.subprotocol = response.headers.get("Sec-WebSocket-Protocol")
+            self.subprotocol = response.headers.get(  # type: ignore[assignment]  # a str
+                "Sec-WebSocket-Protocol")
         super().send_response(response)
 
     def fail(self, code: CloseCode | int, reason: str = "") -> None:
@@ -96,7 +97,7 @@ class FrameWriterProtocol(WebSocketsSansIOProtocol):
     def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
         super().__init__(config, *args, **kwargs)
         self.conn.__class__ = _TellingServerProtocol  # see its docstring
-        self.conn.cap = config.ws_max_size
+        self.conn.cap = config.ws_max_size  # type: ignore[attr-defined]  # read by the subclass
 
     def pause_writing(self) -> None:
         self._paused = True  # a plain flag for write_frame, beside uvicorn's Event
@@ -147,7 +148,7 @@ class TidewireServer(uvicorn.Server):
         self.should_exit = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        gateway = getattr(self.config.app.state, "gateway", None)
+        gateway = getattr(getattr(self.config.app, "state", None), "gateway", None)
         if gateway is not None:
             await drain(gateway, self.grace)
         await super().shutdown(sockets)

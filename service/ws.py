@@ -166,7 +166,7 @@ class Session:
             return True
         coro = self._asgi_send(self._message(data))
         try:
-            awaiting = coro.send(None)
+            awaiting = coro.send(None)  # type: ignore[union-attr]  # an ASGI send coroutine
         except StopIteration:
             self._written(msg, live)
             return True

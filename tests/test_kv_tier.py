@@ -289,7 +289,7 @@ def test_no_leaks_after_1000_requests_with_tier_traffic(tiny_models) -> None:
     eng, off = llm.engine, llm.engine.offload
     mem = off.tier
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    for batch in range(20):
+    for _ in range(20):
         ps = [rng.choice(prefixes) + [rng.randrange(3, 320) for _ in range(rng.randint(1, 9))]
               for _ in range(50)]
         outs = llm.generate(ps, sp)
@@ -377,7 +377,6 @@ class SlowPutTier(RedisTier):
 
 
 def test_write_queue_is_bounded_and_drops_under_backpressure(tiny_models, redis_server) -> None:
-    from engine.config import TierConfig
 
     path = tiny_models("llama", 0)
     ps = [p for s in range(10, 14) for p in prompts(s, n=3)]  # 4 prefixes: evictions

@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine import LLM, EngineConfig, SamplingParams
 from service.config import Limits, ServiceConfig
@@ -198,7 +198,7 @@ def test_sse_client_disconnect_aborts_and_max_connections(tiny_models) -> None:
             async with connect(s.ws_url, subprotocols=["tidewire.v1.json"]) as first:
                 await first.recv()
                 async with connect(s.ws_url, subprotocols=["tidewire.v1.json"]) as second:
-                    with pytest.raises(Exception):
+                    with pytest.raises(ConnectionClosed):
                         await second.recv()
                     return second.close_code
 

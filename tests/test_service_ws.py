@@ -114,7 +114,7 @@ async def test_concurrent_generates_interleave_and_match_offline(server) -> None
     offline = LLM(model="smollm2-135m", dtype="float32").chat(
         [[{"role": "user", "content": q}] for q in QUESTIONS],
         SamplingParams(max_tokens=24, temperature=0.0))
-    for i, (rid, ms) in enumerate(by_id.items()):
+    for i, ms in enumerate(by_id.values()):
         kinds = [m["type"] for m in ms]
         assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("done") == 1
         deltas = [m for m in ms if m["type"] == "delta"]
@@ -345,7 +345,7 @@ async def test_fuzzed_frames_leave_the_server_healthy(server) -> None:
               {"max_tokens": -3}, {"temperature": "hot"}, "a" * 50, [{"role": 1}], True]
     ws, c = await open_client(server)
     async with ws:
-        for i in range(1000):
+        for _ in range(1000):
             kind = rng.random()
             if kind < 0.3:
                 frame = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 40)))

@@ -21,7 +21,8 @@ def bucket_decodes(num_blocks: list[int], min_rows: int = 8, ratio: float = 0.5,
     """Split decode rows (sorted by block count, non-increasing) into row ranges padded
     separately: a new range starts once a row needs at most `ratio` of the current
     range's longest, so short contexts stop paying for the longest one."""
-    ranges, start = [], 0
+    ranges: list[tuple[int, int]] = []
+    start = 0
     for i, nb in enumerate(num_blocks):
         if (i - start >= min_rows and nb <= ratio * num_blocks[start]
                 and len(ranges) < max_buckets - 1):
@@ -164,7 +165,7 @@ class CpuAttention(AttentionBackend):
         ids = torch.tensor(p.block_ids, dtype=torch.int64)
         return CpuPrefill(p.q_start, p.q_len, p.ctx_len, ids, mask)
 
-    def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,  # type: ignore[override]  # noqa: E501 - this backend's metadata
                     v_cache: torch.Tensor, meta: CpuMetadata | PagedMetadata) -> None:
         # k, v: [num_tokens, kv_heads, head_dim] -> slots of the flat [kv_heads, slots, D]
         slots = meta.slot_mapping
@@ -172,7 +173,7 @@ class CpuAttention(AttentionBackend):
         k_cache.view(kv_heads, -1, d)[:, slots] = k.transpose(0, 1)
         v_cache.view(kv_heads, -1, d)[:, slots] = v.transpose(0, 1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,  # type: ignore[override]  # noqa: E501 - this backend's metadata
                 v_cache: torch.Tensor, meta: CpuMetadata | PagedMetadata) -> torch.Tensor:
         if isinstance(meta, PagedMetadata):
             out = torch.empty(q.shape, dtype=q.dtype)

@@ -54,7 +54,7 @@ class TritonAttention(AttentionBackend):
                              "'triton-interpret' to run the Triton kernels on the CPU")
 
     @property
-    def fused_ops(self) -> bool:
+    def fused_ops(self) -> bool:  # type: ignore[override]  # a plain attribute in the base
         """The model also runs the fused RMSNorm / RoPE / SiLU-mul kernels."""
         return True
 
@@ -90,7 +90,7 @@ class TritonAttention(AttentionBackend):
         if meta.decode_only and meta.max_seq_len >= SPLIT_K_MIN_CONTEXT:
             return self._splitk(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 self.scale, meta.max_seq_len, SPLIT_K_PARTITION_BLOCKS)
-        return self._paged(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+        return self._paged(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,  # type: ignore[return-value]  # noqa: E501
                            meta.query_start_loc, self.scale, meta.max_query_len)
 
     def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
