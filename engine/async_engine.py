@@ -428,7 +428,7 @@ class AsyncEngine:
                 self.engine.park([cmd.request_id])
             else:
                 self.engine.unpark([cmd.request_id])
-        self._stats = self.engine.stats(self._adds_taken)  # what the adds changed
+        # (no stats here: requests just taken are not waiting until a schedule says so)
         return True
 
     def _hand_off(self, outs: list[StepOutput]) -> None:

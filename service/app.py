@@ -29,7 +29,8 @@ from service.config import ServiceConfig
 from service.gateway import Gateway
 from service.metrics import Metrics
 from service.origins import origin_allowed
-from service.ws import websocket_endpoint
+from service.transport import ASGI_SEND
+from service.session import websocket_endpoint
 
 log = logging.getLogger("tidewire.service")
 STATIC = Path(__file__).parent / "static"
@@ -87,7 +88,7 @@ async def metrics(request: Request) -> Response:
 async def drain(gw: Gateway, grace: float) -> None:
     """Stop accepting, let in-flight streams finish up to `grace` s, then close 1001."""
     gw.accepting = False
-    gw.expire_all()  # parked requests of dropped sockets: nobody can resume them now
+    gw.parked.expire_all()  # parked requests of dropped sockets: nobody can resume them now
     deadline = asyncio.get_running_loop().time() + grace
     while gw.inflight_total and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
@@ -107,7 +108,7 @@ class RawSend:
 
     async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
         if scope["type"] == "websocket":
-            scope["tidewire.asgi_send"] = send
+            scope[ASGI_SEND] = send
         await self.app(scope, receive, send)
 
 
@@ -254,7 +255,7 @@ def create_app(config: ServiceConfig) -> RawSend:
         *([Mount("/sdk", ReadOnlyFiles(JS_SDK), name="sdk")]  # type: ignore[arg-type]  # ASGI app
           if JS_SDK.is_dir() else []),
     ]
-    # CORS is pure ASGI and passes WebSocket scopes through untouched (ws.py checks
+    # CORS is pure ASGI and passes WebSocket scopes through untouched (session.py checks
     # their Origin); unknown paths and wrong methods answer in OpenAI's error shape.
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(OriginCORS, allowed=config.allowed_origins)],

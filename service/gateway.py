@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import time
 import uuid
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from engine import AsyncEngine, PromptTooLongError, SamplingParams
@@ -18,6 +19,7 @@ from engine.async_engine import RequestStream
 from service.config import ServiceConfig
 from service.metrics import Metrics
 from service.protocol import AUTH_PREFIX, ProtocolError
+from service.resume import ParkedRequests
 
 
 @dataclass
@@ -40,30 +42,21 @@ class Admission:
     principal: Principal
 
 
-@dataclass
-class Detached:
-    """The unfinished requests of a dropped socket, parked until a reconnect resumes
-    them or the grace window closes."""
-
-    key: str | None
-    lives: dict[str, Any]  # client id -> service.ws._Live
-    timer: asyncio.TimerHandle | None = None
-
-
 class Gateway:
     def __init__(self, config: ServiceConfig, engine: AsyncEngine, metrics: Metrics) -> None:
         self.config, self.engine, self.metrics = config, engine, metrics
         self.inflight_total = 0
         self.inflight_by_key: dict[str | None, int] = {}
         self.accepting = True
-        self.sessions: set = set()  # open WebSocket sessions (service.ws.Session)
-        self.detached: dict[str, Detached] = {}  # by the dropped socket's session id
+        self.sessions: set = set()  # open WebSocket sessions (service.session.Session)
+        # requests of dropped sockets, parked for a resume (service/resume.py)
+        self.parked = ParkedRequests(config.limits, engine, metrics,
+                                     lambda live: self.release(live.adm, "abort"))
         # Per-delta metrics, recorded after a step's fan-out rather than in front of the
         # next socket (see log_tokens / log_delivery).
         self._token_log: list[tuple[bool, float, int]] = []
         self._delivery_log: list[float] = []
         self._sse_delivery_log: list[float] = []
-        self.num_detached = 0
         # filled into every request's unset sampling fields (ServiceConfig.sampling_defaults)
         self.sampling_defaults: dict[str, float] = (
             engine.sampling_defaults if config.sampling_defaults == "model" else {})
@@ -139,16 +132,11 @@ class Gateway:
         """Prefill a prefix into the cache without generating (one throwaway token is
         sampled). Messages are rendered without the generation prompt: that rendering
         is the prefix the next turn's prompt starts with."""
-        adm = self.submit(principal, SamplingParams(max_tokens=1, temperature=0.0), request_id,
-                          prompt, messages, warm=True)
         last = None
-        try:
+        async with self.admit(principal, SamplingParams(max_tokens=1, temperature=0.0),
+                              request_id, prompt, messages, warm=True) as adm:
             async for last in adm.stream:  # noqa: B007 - the last output is what we want
                 pass
-        finally:
-            if not adm.stream.finished:
-                self.engine.abort(adm.stream.request_id)
-            self.release(adm, last.finish_reason if last else "abort")
         if last is None or last.finish_reason == "error":
             raise ProtocolError("internal_error", "warming the prefix failed", request_id)
         n = len(last.prompt_token_ids)
@@ -209,76 +197,27 @@ class Gateway:
         for seconds in sse:
             m.sse_delivery.observe(seconds)
 
-    # -- resume: requests of dropped sockets -------------------------------------------
+    @contextlib.asynccontextmanager
+    async def admit(self, principal: Principal, params: SamplingParams,
+                    request_id: str | None = None, prompt: str | list[int] | None = None,
+                    messages: list[dict[str, str]] | None = None,
+                    warm: bool = False) -> AsyncIterator[Admission]:
+        """`submit`, and `end` when the block exits, however it exits."""
+        adm = self.submit(principal, params, request_id, prompt, messages, warm)
+        try:
+            yield adm
+        finally:
+            self.end(adm)
 
-    def detach(self, session_id: str, principal: Principal, lives: dict[str, Any]) -> list[Any]:
-        """Park a dropped socket's requests (`_Live`s; blocks freed within a step) for
-        `resume_grace` seconds. Returns the ones not kept (resume off, shutting down,
-        or over max_detached): the caller aborts those."""
-        lim = self.config.limits
-        room = lim.max_detached - self.num_detached
-        if lim.resume_grace <= 0 or not self.accepting or room <= 0:
-            self.metrics.resumes.labels("refused").inc(len(lives))
-            return list(lives.values())
-        keep = dict(list(lives.items())[:room])
-        for live in keep.values():
-            if not live.adm.stream.finished:
-                self.engine.park(live.adm.stream.request_id)
-        d = Detached(principal.key, keep)
-        d.timer = asyncio.get_running_loop().call_later(lim.resume_grace, self._expire, session_id)
-        self.detached[session_id] = d
-        self._count(len(keep))
-        self.metrics.resumes.labels("parked").inc(len(keep))
-        return [live for rid, live in lives.items() if rid not in keep]
-
-    def reattach(self, session_id: str, principal: Principal, rid: str, after_seq: int) -> Any:
-        """Hand a parked request to the socket that resumes it (and requeue it), or
-        raise invalid_request."""
-        d = self.detached.get(session_id)
-        live = d.lives.get(rid) if d is not None and d.key == principal.key else None
-        assert d is not None or live is None
-        if live is None:
-            raise ProtocolError("invalid_request", f"nothing to resume for {rid!r} in that "
-                                "session: unknown, finished and delivered, or expired", rid)
-        if after_seq > live.seq:
-            raise ProtocolError("invalid_request", f"after_seq {after_seq} is past the last "
-                                f"delta sent ({live.seq})", rid)
-        assert d is not None
-        del d.lives[rid]
-        if not d.lives:
-            self._drop(session_id)
-        self._count(-1)
-        self.metrics.resumes.labels("resumed").inc()
-        if not live.adm.stream.finished:
-            self.engine.unpark(live.adm.stream.request_id)
-        return live
-
-    def _expire(self, session_id: str) -> None:
-        d = self._drop(session_id)
-        if d is None:
-            return
-        self._count(-len(d.lives))
-        self.metrics.resumes.labels("expired").inc(len(d.lives))
-        for live in d.lives.values():
-            if not live.adm.stream.finished:
-                self.engine.abort(live.adm.stream.request_id)
-            if not live.ended:
-                self.release(live.adm, "abort")
-
-    def _drop(self, session_id: str) -> Detached | None:
-        d = self.detached.pop(session_id, None)
-        if d is not None and d.timer is not None:
-            d.timer.cancel()
-        return d
-
-    def _count(self, n: int) -> None:
-        self.num_detached += n
-        self.metrics.detached.set(self.num_detached)
-
-    def expire_all(self) -> None:
-        """Shutdown: nobody will resume now."""
-        for sid in list(self.detached):
-            self._expire(sid)
+    def end(self, adm: Admission, finish_reason: str | None = None) -> None:
+        """The end of a request, whatever the way: abort it if it still runs (its reason
+        is then abort), then release. `finish_reason`: the stream's own by default."""
+        if not adm.stream.finished:
+            self.engine.abort(adm.stream.request_id)
+            finish_reason = "abort"
+        elif finish_reason is None:
+            finish_reason = adm.stream.output.finish_reason or "error"
+        self.release(adm, finish_reason)
 
     def release(self, adm: Admission, finish_reason: str | None) -> None:
         """Bookkeeping when a request ends, whatever the way."""

@@ -18,7 +18,7 @@ from engine import SamplingParams
 from engine.outputs import CompletionOutput, RequestOutput
 from service.gateway import Admission, Gateway, Principal
 from service.protocol import ProtocolError
-from service.ws import Timings
+from service.delivery import Timings
 
 HTTP_STATUS = {"invalid_request": 400, "unauthorized": 401, "model_not_found": 404,
                "context_length_exceeded": 400, "message_too_big": 413, "too_many_inflight": 429,
@@ -235,11 +235,7 @@ def _end(gw: Gateway, jobs: list[_Job]) -> None:
     """Release every prompt's admission, aborting one still running (the client went
     away, or a sibling prompt was refused)."""
     for job in jobs:
-        reason = job.last.finish_reason if job.last else "error"
-        if not job.adm.stream.finished:
-            gw.engine.abort(job.adm.stream.request_id)
-            reason = "abort"
-        gw.release(job.adm, reason)
+        gw.end(job.adm)
 
 
 async def _outputs(jobs: list[_Job]) -> AsyncIterator[tuple[_Job, RequestOutput]]:
@@ -377,7 +373,7 @@ async def _whole(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool
                  table: list[bytes] | None) -> Response:
     try:
         async for job, last in _outputs(jobs):
-            job.timings.token(len(last.new_token_ids), gw)
+            job.timings.token(len(last.new_token_ids), gw.log_tokens)
     finally:
         _end(gw, jobs)
     tok = gw.engine.tokenizer
@@ -421,7 +417,7 @@ async def _sse(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
         for chunk in _echo_chunks(meta, jobs, tok):
             yield chunk
         async for job, last in _outputs(jobs):
-            job.timings.token(len(last.new_token_ids), gw)
+            job.timings.token(len(last.new_token_ids), gw.log_tokens)
             done = last.outputs[last.index].finish_reason
             if not (last.delta_text or last.new_token_ids or done):
                 continue

@@ -1,5 +1,5 @@
 """Which browser origins may use the API: ServiceConfig.allowed_origins, for the WebSocket
-handshake (service.ws) and HTTP CORS alike.
+handshake (service.session) and HTTP CORS alike.
 
 The check applies only to requests that carry an Origin header. Browsers always send one
 on a WebSocket handshake and on cross-origin fetches, and it is what a hostile page

@@ -173,7 +173,7 @@ def close_codes_used() -> dict[int, set[str]]:
 
 def handled_kinds() -> dict[str, list[ast.stmt]]:
     """Session._handle's branches: message type -> its body."""
-    fn = function(tree(SERVICE / "ws.py"), "Session._handle")
+    fn = function(tree(SERVICE / "session.py"), "Session._handle")
     node = next(n for n in fn.body if isinstance(n, ast.If))
     branches = {}
     while isinstance(node, ast.If):
@@ -274,7 +274,7 @@ def test_documented_server_frames_are_the_ones_the_server_sends() -> None:
 
 def test_ready_limits_and_done_timings_are_documented_field_by_field() -> None:
     text = doc(PROTOCOL)
-    ws = tree(SERVICE / "ws.py")
+    ws = tree(SERVICE / "session.py")
     ready = keyed(text, "### `ready`")
     assert {n.split(".", 1)[1] for n in ready if n.startswith("limits.")} == \
         returned_dict_keys(function(ws, "Session._limits"))
@@ -282,7 +282,7 @@ def test_ready_limits_and_done_timings_are_documented_field_by_field() -> None:
     assert top == set(TICKED.findall(keyed(text, SERVER)["ready"][1]))
     timings = keyed(text, "### `start`, `delta`, `done`")
     assert {n.split(".", 1)[1] for n in timings} == \
-        returned_dict_keys(function(ws, "Timings.summary"))
+        returned_dict_keys(function(tree(SERVICE / "delivery.py"), "Timings.summary"))
     # the features a ready frame can list (the row may also name a field it depends on)
     features = strings(function(ws, "Session._features"))
     listed = set(TICKED.findall(ready["features"][1]))

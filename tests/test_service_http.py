@@ -275,7 +275,7 @@ def test_cors_follows_allowed_origins(tiny_server, server) -> None:
     assert "POST" in h["access-control-allow-methods"]
     assert {"authorization", "content-type", "x-stainless-os"} <= {
         x.strip() for x in h["access-control-allow-headers"].lower().split(",")}
-    status, h = _preflight(tiny_server.url, "HTTPS://App.Example:443/")  # as ws.py matches
+    status, h = _preflight(tiny_server.url, "HTTPS://App.Example:443/")  # as session.py matches
     assert status == 200 and h["access-control-allow-origin"] == "HTTPS://App.Example:443/"
     status, h = _preflight(tiny_server.url, "https://evil.example")
     assert status >= 400 and "access-control-allow-origin" not in h

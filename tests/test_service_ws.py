@@ -570,7 +570,7 @@ async def test_resume_after_a_drop_continues_the_stream_exactly(server) -> None:
             deltas.append(m)
     await ws.close()
     await wait_free(server)  # parked: out of the batch, every block back in the pool
-    assert "story" in server.gateway.detached[ready_sid].lives
+    assert "story" in server.gateway.parked.detached[ready_sid].lives
     kept = deltas[:2]  # pretend the last two deltas were lost with the connection
     ws, c = await open_client(server)
     async with ws:
@@ -596,7 +596,7 @@ async def test_resume_after_a_drop_continues_the_stream_exactly(server) -> None:
         await c.send({"type": "resume", "id": "story", "after_seq": 0, "session_id": ready_sid})
         err = await c.recv()
         assert err["type"] == "error" and err["code"] == "invalid_request"
-    assert ready_sid not in server.gateway.detached
+    assert ready_sid not in server.gateway.parked.detached
     await wait_free(server)
 
 
@@ -619,7 +619,7 @@ async def test_resume_refusals_expiry_and_a_request_that_finished_while_away(tin
             pass
         await ws.close()
         await wait_free(s)
-        assert gw.num_detached == 2 and gw.inflight_total == 2  # parked ones still count
+        assert gw.parked.count == 2 and gw.inflight_total == 2  # parked ones still count
         ws, c = await open_client(s, additional_headers=bob)
         async with ws:  # another key cannot see alice's requests
             await c.send({"type": "resume", "id": "short", "after_seq": 0, "session_id": sid})
@@ -642,7 +642,7 @@ async def test_resume_refusals_expiry_and_a_request_that_finished_while_away(tin
             assert msgs[-1]["status"] == "completed"
             # "long" outlives the grace window: aborted, released (polled, with a deadline)
             deadline = asyncio.get_running_loop().time() + 30
-            while gw.num_detached or gw.inflight_total:
+            while gw.parked.count or gw.inflight_total:
                 assert asyncio.get_running_loop().time() < deadline, "never expired"
                 await asyncio.sleep(0.02)
             await c.send({"type": "resume", "id": "long", "after_seq": 0, "session_id": sid})

@@ -1,0 +1,165 @@
+"""What a WebSocket stream sends, without any socket: the per-request state a session
+keeps (`Live`), the frames (start, delta, done), the merging of the steps that queued
+up while the socket was busy into one delta, and the resume marks that let a new socket
+replay everything after a given `seq`. Pure functions of the stream's outputs, unit
+tested without sockets (tests/test_delivery.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.outputs import RequestOutput
+from service.protocol import ProtocolError
+
+if TYPE_CHECKING:
+    from service.gateway import Admission
+
+FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
+STATUS = {"stop": "completed", "length": "completed", "abort": "cancelled", "error": "failed"}
+
+
+class Timings:
+    """A request's arrival, first and last token times (for done's timings and the
+    token metrics)."""
+
+    __slots__ = ("arrival", "first", "last")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first: float | None = None
+        self.last = arrival
+
+    def token(self, n: int, log: Callable[[bool, float, int], None]) -> None:
+        """n tokens delivered now; `log(first, gap, n)` records them (Gateway.log_tokens:
+        metrics are observed after the step's fan-out)."""
+        if n:
+            now = time.monotonic()
+            if self.first is None:
+                self.first = now
+                log(True, now - self.arrival, n)
+            else:
+                log(False, now - self.last, n)
+            self.last = now
+
+    def summary(self, completion: int, queue_time: float) -> dict[str, float]:
+        total = time.monotonic() - self.arrival
+        ttft = (self.first - self.arrival) if self.first else total
+        gen = self.last - (self.first or self.last)
+        rate = (completion - 1) / gen if completion > 1 and gen > 0 else 0.0
+        return {"queue_ms": round(queue_time * 1000, 3), "ttft_ms": round(ttft * 1000, 3),
+                "tokens_per_s": round(rate, 3), "total_ms": round(total * 1000, 3)}
+
+
+@dataclass(eq=False, slots=True)
+class Live:
+    """A request in flight on a socket (or parked after its socket dropped)."""
+
+    rid: str
+    adm: Admission
+    logprobs: bool
+    track: Timings
+    seq: int = 0
+    started: bool = False
+    queued: bool = False  # a pull marker for it is in the send queue
+    failure: ProtocolError | None = None  # reported before its done (slow_consumer)
+    last: RequestOutput | None = None
+    # after delta seq s the client has marks[s-1] = (sample index, its tokens, its chars)
+    marks: list[tuple[int, int, int]] = field(default_factory=list)
+    ended: bool = False  # its done frame is built (tail holds it until it is written)
+    tail: list[dict[str, Any]] = field(default_factory=list)
+
+
+def step_frames(live: Live, log_tokens: Callable[[bool, float, int], None]
+                ) -> list[dict[str, Any]]:
+    """Frames for every step the stream has produced since the last call: start once,
+    then one delta per step that carried tokens or text, each with a resume mark.
+    `log_tokens`: see Timings.token."""
+    live.queued = False
+    stream, frames = live.adm.stream, []
+    out = stream.output  # cumulative; each step below is already folded into it
+    while (step := stream.take_step()) is not None:
+        live.last = out
+        if not live.started:
+            live.started = True
+            frames.append(start_frame(live.rid, out, stream.queue_time))
+        new, text = step.new_token_ids, step.text_delta
+        live.track.token(len(new), log_tokens)
+        if new or text:
+            live.seq += 1
+            index = step.index
+            c = out.outputs[index]
+            live.marks.append((index, len(c.token_ids), c.text_len))
+            frames.append(delta_frame(live.rid, live.seq, index, len(out.outputs), new, text,
+                                      c.logprobs if live.logprobs else None))
+    return frames
+
+
+def replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
+    """Deltas for everything sent after `after_seq`: one per sample, merged; the marks
+    and seq are rewound to `after_seq` first, so the replay is numbered from there."""
+    have: dict[int, tuple[int, int]] = {}
+    for index, ntok, nchar in live.marks[:after_seq]:
+        have[index] = (ntok, nchar)
+    del live.marks[after_seq:]
+    live.seq = after_seq
+    frames = []
+    outputs = live.adm.stream.output.outputs
+    for c in outputs:
+        ntok, nchar = have.get(c.index, (0, 0))
+        if len(c.token_ids) > ntok or c.text_len > nchar:
+            live.seq += 1
+            live.marks.append((c.index, len(c.token_ids), c.text_len))
+            frames.append(delta_frame(live.rid, live.seq, c.index, len(outputs),
+                                      c.token_ids[ntok:], c.text[nchar:],
+                                      (c.logprobs or []) if live.logprobs else None, ntok))
+    return frames
+
+
+def cached_tokens(out: RequestOutput | None) -> dict[str, int]:
+    """Prompt tokens whose KV was reused: found on the device, or loaded from the host
+    tier (memory / Redis)."""
+    if out is None:
+        return {"device": 0, "host": 0}
+    host = out.num_host_cached_tokens
+    return {"device": out.num_cached_tokens - host, "host": host}
+
+
+def start_frame(rid: str, out: RequestOutput, queue_time: float) -> dict[str, Any]:
+    return {"type": "start", "id": rid, "prompt_tokens": len(out.prompt_token_ids),
+            "cached_tokens": cached_tokens(out), "queue_ms": round(queue_time * 1000, 3)}
+
+
+def delta_frame(rid: str, seq: int, index: int, n: int, token_ids: list[int], text: str,
+                logprobs: list | None, start: int | None = None) -> dict[str, Any]:
+    """A delta frame; `logprobs` is the sample's cumulative list, whose entries for
+    `token_ids` start at `start` (default: they are its tail)."""
+    d: dict[str, Any] = {"type": "delta", "id": rid, "seq": seq, "text": text,
+                         "token_ids": token_ids}
+    if n > 1:
+        d["index"] = index
+    if logprobs is not None:
+        at = len(logprobs) - len(token_ids) if start is None else start
+        d["logprobs"] = [{"token_id": x.token_id, "logprob": x.logprob,
+                          "top": [[t, v] for t, v in x.top]}
+                         for x in logprobs[at:at + len(token_ids)]] if token_ids else []
+    return d
+
+
+def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str,
+               track: Timings) -> dict[str, Any]:
+    completion = sum(len(o.token_ids) for o in last.outputs) if last else 0
+    done: dict[str, Any] = {
+        "type": "done", "id": rid, "status": STATUS.get(reason, "failed"),
+        "finish_reason": FINISH.get(reason, "error"),
+        "usage": {"prompt_tokens": len(adm.stream.output.prompt_token_ids),
+                  "completion_tokens": completion,
+                  "cached_tokens": cached_tokens(last)},
+        "timings": track.summary(completion, adm.stream.queue_time),
+    }
+    if last and len(last.outputs) > 1:
+        done["finish_reasons"] = [FINISH.get(o.finish_reason or "error", "error")
+                                  for o in last.outputs]
+    return done

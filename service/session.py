@@ -1,0 +1,327 @@
+"""WS /v1/ws: one Session per socket, in the shape of Starlette's WebSocketEndpoint: a
+reader loop that decodes each client message and dispatches it (generate, cancel, warm,
+resume, ping), over the rooms that do the rest:
+
+- service/sender.py: the socket's one writer (the fast path inside the engine's
+  dispatch, the writer task, backpressure);
+- service/delivery.py: what a stream sends (start, merged deltas with resume marks,
+  done), without sockets;
+- service/resume.py: the requests of dropped sockets, parked for a resume;
+- service/gateway.py: auth, limits, admission and the end-of-request bookkeeping.
+
+Resume: when a socket drops, its unfinished requests are parked (blocks freed within a
+step, tokens and sampler state kept) for `resume_grace` seconds. A new socket of the same
+key sends `resume {id, after_seq, session_id}`; it gets `resumed`, then one delta per
+sample with everything after `after_seq` (merged, as under backpressure), and the
+request, requeued, goes on streaming where it stopped: its KV is recomputed, mostly from
+the prefix cache. A request that finished while its done frame was unsent is replayed
+the same way."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from functools import partial
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from service.delivery import Live, Timings, done_frame, replay, step_frames
+from service.gateway import Gateway, Principal
+from service.origins import origin_allowed
+from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, ProtocolError,
+                              parse_generate, parse_resume, parse_warm, request_id)
+from service.sender import Sender
+
+
+class Session:
+    def __init__(self, ws: WebSocket, codec: Codec, gateway: Gateway, principal: Principal) -> None:
+        self.ws, self.codec, self.gw, self.principal = ws, codec, gateway, principal
+        self.limits = gateway.config.limits
+        self.live: dict[str, Live] = {}
+        self.unsent: dict[str, Live] = {}  # ended, but the done frame is not written yet
+        self.dropped = False  # the client went away (rather than us closing the socket)
+        self.sender = Sender(ws, codec, self.limits, self._pull, self._delivered,
+                             gateway.log_delivery)
+        self.warms: set[asyncio.Task[None]] = set()
+        self.session_id = uuid.uuid4().hex
+
+    async def run(self) -> None:
+        tasks = [asyncio.create_task(self.sender.run()), asyncio.create_task(self._watchdog())]
+        self._frame({"type": "ready", "session_id": self.session_id,
+                     "protocol": self.codec.subprotocol, "model": self.gw.config.model_name,
+                     "limits": self._limits(), "features": self._features(),
+                     "sampling_defaults": self.gw.sampling_defaults})
+        try:
+            await self._reader()
+        finally:
+            self._close_all()
+            self.sender.close()
+            tasks[1].cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    def _limits(self) -> dict[str, Any]:
+        lim = self.limits
+        return {"max_inflight": lim.max_inflight_per_connection,
+                "max_message_bytes": lim.max_message_bytes,
+                "max_model_len": self.gw.engine.max_model_len,
+                "resume_grace_s": lim.resume_grace}
+
+    def _features(self) -> list[str]:
+        return ["warm", "cancel", "ping"] + (["resume"] if self.limits.resume_grace > 0 else [])
+
+    # -- what goes out (written by self.sender) --------------------------------------------
+
+    def _frame(self, msg: dict[str, Any]) -> None:
+        self.sender.frame(msg)
+
+    def _delivered(self, live: Live) -> None:
+        if live.ended and self.unsent.get(live.rid) is live:
+            del self.unsent[live.rid]  # its done is written: nothing left to resume
+
+    async def _watchdog(self) -> None:
+        """A send blocked past the timeout means the client is not reading: abort its
+        requests (their frames, with a slow_consumer error, go out if it ever reads)."""
+        timeout = self.limits.slow_consumer_timeout
+        while True:
+            await asyncio.sleep(min(timeout / 4, 1.0))
+            since = self.sender.sending_since
+            if since is not None and time.monotonic() - since > timeout:
+                for live in self.live.values():
+                    if live.failure is None:
+                        live.failure = ProtocolError(
+                            "slow_consumer", "the client is not reading its stream", live.rid)
+                        self.gw.engine.abort(live.adm.stream.request_id)
+
+    def _pull(self, live: Live) -> list[dict[str, Any]]:
+        """Frames for everything the stream has produced since the last pull."""
+        frames = step_frames(live, self.gw.log_tokens)
+        if live.adm.stream.finished:
+            frames += self._finish(live)
+        return frames
+
+    def _finish(self, live: Live) -> list[dict[str, Any]]:
+        last = live.last
+        reason = (last.finish_reason if last else None) or "error"
+        frames = []
+        if live.failure is not None:
+            reason = "error"
+            frames.append(self._failed(live.failure))
+        elif reason == "error":  # the engine failed this request (its thread died)
+            frames.append(self._failed(ProtocolError(
+                "internal_error", (last.error if last else None) or "engine failure", live.rid)))
+        self._forget(live, reason)
+        frames.append(done_frame(live.rid, live.adm, last, reason, live.track))
+        live.ended, live.tail = True, frames
+        self.unsent[live.rid] = live
+        return frames
+
+    def _failed(self, e: ProtocolError) -> dict[str, Any]:
+        self.gw.metrics.errors.labels(e.code).inc()
+        return e.frame()
+
+    def _forget(self, live: Live, reason: str) -> None:
+        live.adm.stream.listener = None
+        if self.live.pop(live.rid, None) is not None:
+            self.gw.release(live.adm, reason)
+
+    # -- the receive side --------------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        while True:
+            if not self.sender.drained.is_set():
+                await self.sender.drained.wait()
+            try:
+                m = await asyncio.wait_for(self.ws.receive(), self._idle_timeout())
+            except asyncio.TimeoutError:
+                await self.ws.close(code=1000, reason="idle timeout")
+                return
+            if m["type"] == "websocket.disconnect":
+                if m.get("code") == 1009:  # the server's hard cap (service.server) closed it
+                    self.gw.metrics.errors.labels("message_too_big").inc()
+                self.dropped = True
+                return
+            data = m.get("bytes") if m.get("bytes") is not None else m.get("text")
+            if data is None:
+                continue
+            if self._over_limit(data):
+                self._error(self._too_big(data))  # the socket stays open, as for any bad message
+                continue
+            try:
+                self._handle(self.codec.decode(data))
+            except ProtocolError as e:
+                self._error(e)
+
+    def _over_limit(self, data: bytes | str) -> bool:
+        """Whether a message is over max_message_bytes as it was on the wire: a text
+        frame's UTF-8 bytes, encoded only when its length in characters cannot tell."""
+        limit, n = self.limits.max_message_bytes, len(data)
+        if isinstance(data, str) and limit // 4 < n <= limit:
+            n = len(data.encode())
+        return n > limit
+
+    def _too_big(self, data: bytes | str) -> ProtocolError:
+        """message_too_big, naming the message's request when it has a valid id, so that
+        an SDK fails that request rather than waiting on it. The id is looked for only in
+        a message up to twice the limit: decoding megabytes on the event loop stalls
+        every stream's fan-out, and a client could repeat it at will."""
+        rid = None
+        size = len(data.encode()) if isinstance(data, str) else len(data)
+        if size <= 2 * self.limits.max_message_bytes:
+            with contextlib.suppress(ProtocolError):
+                rid = request_id(self.codec.decode(data))
+        return ProtocolError("message_too_big",
+                             f"message of {size} bytes is over max_message_bytes "
+                             f"({self.limits.max_message_bytes}, in the ready frame's limits)",
+                             rid)
+
+    def _idle_timeout(self) -> float | None:
+        return None if self.live else self.limits.idle_timeout
+
+    def _error(self, e: ProtocolError) -> None:
+        self._frame(self._failed(e))
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == "generate":
+            self._generate(msg)
+        elif kind == "cancel":
+            self._cancel(request_id(msg))
+        elif kind == "ping":
+            self._frame({"type": "pong", "t": msg.get("t")})
+        elif kind == "warm":
+            self._warm(msg)
+        elif kind == "resume":
+            self._resume(msg)
+        else:
+            raise ProtocolError("invalid_request", f"unknown message type {kind!r}",
+                                msg.get("id") if isinstance(msg.get("id"), str) else None)
+
+    def _cancel(self, rid: str) -> None:
+        """Abort a request in flight on this socket; its done (cancelled) follows.
+
+        An id not in flight here answers `unknown_id`: never generated on this socket
+        (a warm, another socket's, parked by a dropped one), or finished. A finished one
+        leaves self.live when its done frame is built, and that frame is written or
+        queued ahead of this error: the client sees done, then unknown_id. One that the
+        engine finished but whose done is not built yet is still here: the abort is a
+        no-op and its done tells how it really ended."""
+        live = self.live.get(rid)
+        if live is None:
+            raise ProtocolError("unknown_id", f"no request {rid!r} is in flight on this socket",
+                                rid)
+        self.gw.engine.abort(live.adm.stream.request_id)
+
+    def _check_room(self, rid: str) -> None:
+        """A new (or resumed) stream needs a free id and room on this socket."""
+        if rid in self.live:
+            raise ProtocolError("duplicate_id", f"request {rid!r} is already in flight", rid)
+        if len(self.live) >= self.limits.max_inflight_per_connection:
+            raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
+                                rid)
+
+    def _generate(self, msg: dict[str, Any]) -> None:
+        g = parse_generate(msg, self.gw.sampling_defaults)
+        self._check_room(g.id)
+        ahead = self.gw.queue_position()
+        adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, g.messages)
+        if ahead is not None:
+            self._frame({"type": "queued", "id": g.id, "position": ahead})
+        live = Live(g.id, adm, g.params.logprobs is not None, Timings(adm.arrival))
+        self.live[g.id] = live
+        # No output can have arrived yet: dispatch runs on this (the loop) thread.
+        adm.stream.listener = partial(self.sender.notify, live)
+
+    def _warm(self, msg: dict[str, Any]) -> None:
+        w = parse_warm(msg)
+        if len(self.live) + len(self.warms) >= self.limits.max_inflight_per_connection:
+            raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
+                                w.id)
+        task = asyncio.create_task(self._run_warm(w.id, w.prompt, w.messages))
+        self.warms.add(task)
+        task.add_done_callback(self.warms.discard)
+
+    async def _run_warm(self, rid: str | None, prompt: str | list[int] | None,
+                        messages: list[dict[str, str]] | None) -> None:
+        try:
+            res = await self.gw.warm(self.principal, rid, prompt, messages)
+        except ProtocolError as e:
+            self._error(e)
+            return
+        self._frame({"type": "warmed", "id": rid, **res})
+
+    def _resume(self, msg: dict[str, Any]) -> None:
+        r = parse_resume(msg)
+        self._check_room(r.id)
+        live = self.gw.parked.reattach(r.session_id, self.principal.key, r.id, r.after_seq)
+        self._frame({"type": "resumed", "id": r.id, "after_seq": r.after_seq})
+        for frame in replay(live, r.after_seq):
+            self._frame(frame)
+        if live.ended:
+            for frame in live.tail:
+                self._frame(frame)
+            return
+        self.live[r.id] = live
+        live.adm.stream.listener = partial(self.sender.notify, live)
+        self.sender.notify(live)  # whatever arrived while it was parked
+
+    def _close_all(self) -> None:
+        """Our side of the socket is done. If the client dropped, its unfinished
+        requests are parked for a resume (blocks freed next step); otherwise, or past
+        the limits, they are aborted (blocks freed next step)."""
+        for t in self.warms:
+            t.cancel()
+        for live in self.live.values():
+            live.adm.stream.listener = None
+            live.queued = False
+        self.sender.discard()  # markers and frames for a dead socket
+        keep = {**self.unsent, **self.live} if self.dropped else {}
+        refused = (self.gw.parked.detach(self.session_id, self.principal.key, keep,
+                                         self.gw.accepting) if keep else [])
+        for live in (refused if self.dropped else list(self.live.values())):
+            if not live.ended:
+                self.gw.engine.abort(live.adm.stream.request_id)
+                self._forget(live, "abort")
+        self.live.clear()
+        self.unsent.clear()
+
+
+def choose_subprotocol(offered: list[str]) -> str | None:
+    for sp in (SUBPROTOCOL_MSGPACK, SUBPROTOCOL_JSON):
+        if sp in offered:
+            return sp
+    return None
+
+
+async def websocket_endpoint(ws: WebSocket) -> None:
+    gw: Gateway = ws.app.state.gateway
+    offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"),
+                          gw.config.allowed_origins):
+        await ws.close(code=1008, reason="origin not allowed")  # before accept: HTTP 403
+        return
+    try:
+        principal = gw.authenticate(ws.headers.get("authorization"), offered)
+    except ProtocolError:
+        gw.metrics.errors.labels("unauthorized").inc()
+        await ws.close(code=1008, reason="unauthorized")
+        return
+    if len(gw.sessions) >= gw.config.limits.max_connections or not gw.accepting:
+        await ws.accept()  # close codes only reach a client after the handshake
+        await ws.close(code=1013, reason="overloaded")
+        return
+    sub = choose_subprotocol(offered) or SUBPROTOCOL_JSON
+    await ws.accept(subprotocol=sub if sub in offered else None)  # never echo the auth key
+    session = Session(ws, Codec(sub), gw, principal)
+    gw.sessions.add(session)
+    gw.metrics.connections.inc()
+    try:
+        await session.run()
+    finally:
+        gw.sessions.discard(session)
+        gw.metrics.connections.dec()
+
