@@ -228,6 +228,8 @@ class Gateway:
             del self.inflight_by_key[key]
         self.metrics.requests.labels(finish_reason or "unknown").inc()
         self.metrics.e2e.observe(time.monotonic() - adm.arrival)
+        if adm.stream.sampled_at:  # it was admitted: its wait for a batch slot is known
+            self.metrics.queue.observe(adm.stream.queue_time)
 
 
 def _b64url(text: str) -> str | None:

@@ -138,14 +138,19 @@ async def model(request: Request) -> Response:
     return JSONResponse(model_card(gw))
 
 
+def _served(gw: Gateway, body: dict[str, Any]) -> None:
+    """A request that names a model must name the served one (404 model_not_found)."""
+    model = body.get("model", gw.config.model_name)
+    if model != gw.config.model_name:
+        raise ProtocolError("model_not_found", f"model {model!r} is not served here")
+
+
 async def _complete(request: Request, chat: bool) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
         body = await _body(request)
-        model = body.get("model", gw.config.model_name)
-        if model != gw.config.model_name:
-            raise ProtocolError("model_not_found", f"model {model!r} is not served here")
+        _served(gw, body)
         params = sampling_params(body, chat, gw.sampling_defaults)
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
         table = (gw.engine.byte_table(False)
@@ -274,6 +279,7 @@ async def warm(request: Request) -> Response:
         extra = sorted(set(body) - {"messages", "prompt", "model"})
         if extra:
             raise ProtocolError("invalid_request", f"unknown parameter(s): {', '.join(extra)}")
+        _served(gw, body)
         prompt, messages = _inputs(body, chat="messages" in body)
         return JSONResponse(await gw.warm(principal, None, prompt, messages))
     except ProtocolError as e:

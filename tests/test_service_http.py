@@ -145,6 +145,8 @@ def test_metrics_parse_and_move(server) -> None:
     assert after["tidewire_prompt_tokens_total"] > before.get("tidewire_prompt_tokens_total", 0)
     assert after["tidewire_time_to_first_token_seconds_count"] > before.get(
         "tidewire_time_to_first_token_seconds_count", 0)
+    assert after["tidewire_queue_time_seconds_count"] > before.get(  # arrival to admission
+        "tidewire_queue_time_seconds_count", 0)
     assert "tidewire_kv_cache_usage_ratio" in after
     # a streamed completion records each content chunk's sampled-to-written time
     stream = client(server).chat.completions.create(
@@ -470,3 +472,13 @@ def test_completions_token_id_prompts(tiny_server) -> None:
             break
         time.sleep(0.01)
     assert gw.inflight_total == 0 and not eng.has_unfinished()
+
+
+def test_warm_names_the_served_model_or_none(tiny_server) -> None:
+    url = tiny_server.url + "/v1/warm"
+    status, _, body = http(url, "POST", {"prompt": [5, 6, 7, 8], "model": "gpt-9"})
+    assert status == 404 and error_of(body)["code"] == "model_not_found"
+    model = json.loads(http(tiny_server.url + "/v1/models")[2])["data"][0]["id"]
+    for extra in ({"model": model}, {}):
+        status, _, body = http(url, "POST", {"prompt": [5, 6, 7, 8], **extra})
+        assert status == 200 and json.loads(body)["prompt_tokens"] == 4
