@@ -102,7 +102,7 @@ class RawSend:
     the socket's hot path (a data frame per stream per step) can call it directly,
     without the per-message wrappers of Starlette's middleware stack."""
 
-    def __init__(self, app: LoadingGate) -> None:
+    def __init__(self, app: Starlette) -> None:
         self.app = app
         self.state = app.state
 
@@ -191,18 +191,19 @@ async def load(app: Starlette, config: ServiceConfig) -> None:
 class LoadingGate:
     """Until the model has loaded, a route that needs the engine answers 503 `loading`
     (with Retry-After); a WebSocket handshake is refused with the same 503. /health,
-    /ready and the page's files are served from the start."""
+    /ready and the page's files are served from the start. A middleware inside
+    OriginCORS, so a page on an allowed origin can read the 503 too."""
 
     OPEN = frozenset({"/health", "/ready"})
 
-    def __init__(self, app: Starlette) -> None:
-        self.app = app
-        self.state = app.state
+    def __init__(self, app: Any) -> None:
+        self.app = app  # the next layer; the Starlette app itself is scope["app"]
 
     async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
-        if (scope["type"] != "lifespan" and getattr(self.state, "gateway", None) is None
-                and self._gated(scope)):
-            loading = loading_state(self.app.state) or {}
+        top: Starlette = scope.get("app")  # type: ignore[assignment]
+        if (scope["type"] != "lifespan" and top is not None
+                and getattr(top.state, "gateway", None) is None and self._gated(top, scope)):
+            loading = loading_state(top.state) or {}
             failed = loading.get("status") == "failed"
             message = (f"the model failed to load: {loading.get('error')}" if failed else
                        "the model is loading; GET /health shows its progress")
@@ -212,11 +213,11 @@ class LoadingGate:
             return
         await self.app(scope, receive, send)
 
-    def _gated(self, scope: dict) -> bool:
+    def _gated(self, top: Starlette, scope: dict) -> bool:
         if scope["path"] in self.OPEN or scope.get("method") == "OPTIONS":
             return False  # a CORS preflight is answered by the middleware, loaded or not
         # endpoints, not the page's files (a Mount: /sdk serves the page's script)
-        return any(r.matches(scope)[0] is not Match.NONE for r in self.app.router.routes
+        return any(r.matches(scope)[0] is not Match.NONE for r in top.router.routes
                    if isinstance(r, (Route, WebSocketRoute)))
 
 
@@ -258,9 +259,10 @@ def create_app(config: ServiceConfig) -> RawSend:
     # CORS is pure ASGI and passes WebSocket scopes through untouched (session.py checks
     # their Origin); unknown paths and wrong methods answer in OpenAI's error shape.
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(OriginCORS, allowed=config.allowed_origins)],
+                    middleware=[Middleware(OriginCORS, allowed=config.allowed_origins),
+                                Middleware(LoadingGate)],
                     exception_handlers={HTTPException: openai_api.http_error})
     # The page's files are what no route matched, not a mount at /: a mount there
     # matches every path, so a wrong method on a known one would be a 404, not a 405.
     app.router.default = ReadOnlyFiles(STATIC, html=True)  # type: ignore[assignment]  # ASGI app
-    return RawSend(LoadingGate(app))
+    return RawSend(app)

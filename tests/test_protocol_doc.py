@@ -395,7 +395,7 @@ def test_documented_endpoints_are_the_apps_routes() -> None:
     from service.app import create_app
     from service.config import ServiceConfig
 
-    app = create_app(ServiceConfig()).app.app  # RawSend -> LoadingGate -> Starlette
+    app = create_app(ServiceConfig()).app  # RawSend -> Starlette
     routes = {"GET /"}  # the chat page: the router's default, not a route
     for r in app.router.routes:
         path = re.sub(r"\{(\w+):\w+\}", r"{\1}", r.path)

@@ -194,7 +194,9 @@ def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) ->
 
     monkeypatch.setattr(engine.llm_engine, "resolve_model", slow_resolve)
     port = free_port()
-    server = build_server(ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama")))),
+    ui = "https://ui.example"
+    server = build_server(ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama"))),
+                                        allowed_origins=(ui,)),
                           "127.0.0.1", port, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -211,6 +213,14 @@ def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) ->
         code, err, headers = _post(url + "/v1/completions", {"prompt": [5], "max_tokens": 1})
         assert code == 503 and err["error"]["code"] == "loading"
         assert headers["Retry-After"] == "2"  # no earlier start of this setup: no estimate
+        # a page on an allowed origin can read the 503 (the gate sits inside CORS)
+        req = urllib.request.Request(url + "/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": [5], "max_tokens": 1}).encode(),
+                                     headers={"Content-Type": "application/json", "Origin": ui})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 503
+        assert refused.value.headers["Access-Control-Allow-Origin"] == ui
         # the page and the SDK it imports load, then wait for the socket
         assert http_get(url + "/")[0] == 200 and http_get(url + "/sdk/index.js")[0] == 200
         assert http_get(url + "/version")[0] == 503
