@@ -410,8 +410,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     env_arg(lim, "--max-inflight-per-connection", "MAX_INFLIGHT_PER_CONNECTION", type=int,
             default=64, help="unfinished requests one WebSocket connection may have")
     env_arg(lim, "--max-inflight-per-key", "MAX_INFLIGHT_PER_KEY", type=int, default=256,
-            help="unfinished requests one API key may have (too_many_inflight beyond)")
-    env_arg(lim, "--max-queue", "MAX_QUEUE", type=int, default=512,
+            help="unfinished requests one API key may have (too_many_inflight beyond); "
+                 "with --api-keys only: an open server's callers share no key")
+    env_arg(lim, "--max-queue", "MAX_QUEUE", type=int, default=2048,
             help="requests waiting for the engine; beyond it new ones get `overloaded`")
     env_arg(lim, "--max-message-bytes", "MAX_MESSAGE_BYTES", type=int, default=1 << 20,
             metavar="BYTES", help="largest WebSocket message a client may send")

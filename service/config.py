@@ -12,8 +12,12 @@ from engine.config import EngineConfig
 class Limits:
     max_connections: int = 1024
     max_inflight_per_connection: int = 64
+    # per API key, across sockets and HTTP; a policy for keyed deployments: an open
+    # server (no api_keys) has one anonymous caller, whom it would cap as a whole
     max_inflight_per_key: int = 256
-    max_queue: int = 512  # requests waiting in the engine before `overloaded`
+    # requests waiting in the engine before `overloaded`: room for one waiting request
+    # from every connection the server accepts, twice over
+    max_queue: int = 2048
     max_message_bytes: int = 1 << 20
     idle_timeout: float = 300.0  # seconds without a message or a request in flight
     slow_consumer_timeout: float = 30.0  # a stream blocked this long on a full socket

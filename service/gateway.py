@@ -88,7 +88,8 @@ class Gateway:
         lim = self.config.limits
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down", request_id)
-        if self.inflight_by_key.get(principal.key, 0) >= lim.max_inflight_per_key:
+        if (principal.key is not None  # an open server's one anonymous caller: no key limit
+                and self.inflight_by_key.get(principal.key, 0) >= lim.max_inflight_per_key):
             raise ProtocolError("too_many_inflight", "too many requests in flight for this key",
                                 request_id)
         queued = self.engine.queued()

@@ -554,6 +554,26 @@ async def test_per_key_inflight_limit_spans_sockets(tiny_models) -> None:
             assert (await c2.until_done({"b"}))[-1]["status"] == "completed"
 
 
+async def test_an_open_server_has_no_per_key_limit(tiny_models) -> None:
+    # without --api-keys every caller is the one anonymous principal: a per-key limit
+    # would cap the whole server, so it applies to keyed deployments only
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           limits=Limits(max_inflight_per_key=1))
+    with run_server(config) as s:
+        ws1, c1 = await open_client(s)
+        ws2, c2 = await open_client(s)
+        async with ws1, ws2:
+            await c1.send({"type": "generate", "id": "a", "prompt_token_ids": [5],
+                           "params": {"max_tokens": 900, "ignore_eos": True}})
+            while (await c1.recv())["type"] != "delta":
+                pass
+            await c2.send({"type": "generate", "id": "b", "prompt_token_ids": [6],
+                           "params": {"max_tokens": 2}})
+            assert (await c2.until_done({"b"}))[-1]["status"] == "completed"
+            await c1.send({"type": "cancel", "id": "a"})
+            assert (await c1.until_done({"a"}))[-1]["status"] == "cancelled"
+
+
 async def test_resume_after_a_drop_continues_the_stream_exactly(server) -> None:
     """A dropped socket's request is parked (blocks freed at once); a new socket resumes
     it with the last seq it holds, gets what it missed merged into one delta, and the
