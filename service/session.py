@@ -43,6 +43,7 @@ class Session:
         self.live: dict[str, Live] = {}
         self.unsent: dict[str, Live] = {}  # ended, but the done frame is not written yet
         self.dropped = False  # the client went away (rather than us closing the socket)
+        self._log_tokens = gateway.log_tokens  # bound once: called per stream per step
         self.sender = Sender(ws, codec, self.limits, self._pull, self._delivered,
                              gateway.log_delivery)
         self.warms: set[asyncio.Task[None]] = set()
@@ -99,7 +100,7 @@ class Session:
 
     def _pull(self, live: Live) -> list[dict[str, Any]]:
         """Frames for everything the stream has produced since the last pull."""
-        frames = step_frames(live, self.gw.log_tokens)
+        frames = step_frames(live, self._log_tokens)
         if live.adm.stream.finished:
             frames += self._finish(live)
         return frames
