@@ -97,8 +97,7 @@ class Sender:
         self._delivered(live)
 
     def close(self) -> None:
-        """Drop what is queued (the socket is done) and let the writer task end."""
-        self.queue.clear()
+        """Let the writer task end once it reaches this (after `discard`, at once)."""
         self.queue.append(_CLOSE)
         self._wake.set()
 
