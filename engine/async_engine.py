@@ -26,6 +26,7 @@ from engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
+from engine.structured import GrammarError
 from engine.stats import EngineStats
 
 log = logging.getLogger("tidewire.engine")
@@ -282,6 +283,42 @@ class AsyncEngine:
         self._adds_sent += 1
         self._inbox.put(_Add(req))
         return stream
+
+    def format_ready(self, params: SamplingParams) -> bool:
+        """Whether the request can be added without waiting for a compile: it is
+        unconstrained, or its constraint has compiled. Raises ValueError when that
+        compile failed. (Starts the compile when it is not under way.)"""
+        fmt = params.response_format
+        if fmt is None:
+            return True
+        if self.engine.grammars is None:
+            raise ValueError("response_format needs a model with a tokenizer")
+        fut = self.engine.grammars.submit(fmt)
+        if not fut.done():
+            return False
+        fut.result()
+        return True
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile the request's response_format on the engine's grammar workers (a
+        no-op when it is unconstrained or already compiled), so that a bad constraint
+        is refused before the request is added; raises ValueError naming the problem.
+        The engine keeps stepping meanwhile."""
+        fmt = params.response_format
+        grammars = self.engine.grammars
+        if fmt is None:
+            return
+        if grammars is None:
+            raise ValueError("response_format needs a model with a tokenizer")
+        fut = grammars.submit(fmt)
+        if fut.done():
+            fut.result()
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), grammars.timeout)
+        except asyncio.TimeoutError:
+            raise GrammarError(f"the {fmt.kind} constraint took over {grammars.timeout:g}s "
+                               "to compile; simplify it") from None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the engine's next step."""

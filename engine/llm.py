@@ -65,6 +65,8 @@ class LLM:
         else:
             batch = list(cast(Sequence[Prompt], prompts))
         plist = self._params_list(params, len(batch))
+        for fmt in {sp.response_format for sp in plist} - {None}:
+            self.engine.compile_format(fmt)  # type: ignore[arg-type]  # an invalid one raises here
         reqs = [self.engine.make_request(p, sp, self._next_id()) for p, sp in zip(batch, plist)]
         return self._run(reqs, use_tqdm)
 

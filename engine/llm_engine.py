@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 import weakref
+from concurrent import futures
 from functools import partial
 from pathlib import Path
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, prefault_default
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import GrammarCompiler, ResponseFormat
 from engine.stats import EngineStats, OffloadCounters, TierCounters
 from kernels import cpu_ops
 
@@ -120,6 +122,10 @@ class LLMEngine:
         if self.offload is not None:  # an engine dropped without close() still frees it all
             weakref.finalize(self, self.offload.stop)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
+        # response_format constraints, compiled on worker threads (engine/structured.py)
+        self.grammars = (GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
+                         if self.tokenizer is not None else None)
+        self._compiling: list[Request] = []  # added, waiting for their constraint's compile
         self.num_steps = 0
         self._children: dict[str, list[str]] = {}  # caller's id -> unfinished sample ids
         self._siblings: dict[str, list[Request]] = {}  # first sample id -> samples to start
@@ -161,6 +167,8 @@ class LLMEngine:
             self.offload.close()
             self.offload = None
             self.scheduler.tier = None
+        if self.grammars is not None:
+            self.grammars.close()
 
     def _auto_num_blocks(self) -> int:
         """As many blocks as the memory budget holds, but no more than every sequence
@@ -224,7 +232,20 @@ class LLMEngine:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV "
                 f"blocks than the pool has ({self.num_blocks} x {bs} tokens)")
-        return Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids, salt)
+        req = Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids, salt)
+        if params.response_format is not None:
+            if self.grammars is None:
+                raise ValueError("response_format needs a model with a tokenizer")
+            req.grammar = self.grammars.submit(params.response_format)  # compiles meanwhile
+        return req
+
+    def compile_format(self, fmt: ResponseFormat) -> None:
+        """Compile a response_format now (cached for the requests that use it); raises
+        GrammarError (a ValueError) naming what is wrong with it, or when it takes over
+        the compile timeout."""
+        if self.grammars is None:
+            raise ValueError("response_format needs a model with a tokenizer")
+        self.grammars.compile(fmt)
 
     def add(self, req: Request) -> None:
         """Queue a request. With n > 1 it becomes n samples (ids `<id>\x00<i>`): the first
@@ -239,15 +260,40 @@ class LLMEngine:
         self._children[rid] = [k.request_id for k in kids]
         for k in kids:
             self._detoks[k.request_id] = self._detokenizer(k)
-        self.scheduler.add(kids[0])
         if n > 1:
             self._siblings[kids[0].request_id] = kids[1:]
+        if req.grammar is not None and not req.grammar.done():
+            self._compiling.append(kids[0])  # the batch keeps going while it compiles
+        else:
+            self._schedule(kids[0])
+
+    def _schedule(self, req: Request) -> None:
+        """Into the scheduler's queue, with a matcher for a constrained request."""
+        if req.grammar is not None:
+            req.matcher = self.grammars.matcher(req.grammar.result())  # type: ignore[union-attr]
+        self.scheduler.add(req)
+
+    def _compiled(self) -> list[StepOutput]:
+        """Requests whose constraint has compiled join the queue; those whose compile
+        failed end with an error (their outputs are returned)."""
+        outs: list[StepOutput] = []
+        still = []
+        for req in self._compiling:
+            if not req.grammar.done():
+                still.append(req)
+            elif req.grammar.exception() is None:
+                self._schedule(req)
+            else:
+                log.warning("request %s: %s", req.parent_id, req.grammar.exception())
+                outs += self.abort([req.parent_id], RequestStatus.FINISHED_ERROR)
+        self._compiling = still
+        return outs
 
     @staticmethod
     def _child(req: Request, i: int) -> Request:
         return Request(f"{req.request_id}\x00{i}", req.prompt_token_ids, req.params,
                        req.eos_token_ids, req.salt, req.arrival_time, parent_id=req.request_id,
-                       index=i)
+                       index=i, grammar=req.grammar)
 
     def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
         """Each token id's raw bytes (None: no tokenizer, or not a byte-level one), built
@@ -275,7 +321,10 @@ class LLMEngine:
         for rid in request_ids:
             kids = self._children.get(rid, [])
             waiting = self._siblings.pop(kids[0], []) if kids else []
-            for r in self.scheduler.finish_requests(kids, status) + waiting:
+            compiling = [r for r in self._compiling if r.parent_id == rid]
+            if compiling:
+                self._compiling = [r for r in self._compiling if r.parent_id != rid]
+            for r in self.scheduler.finish_requests(kids, status) + compiling + waiting:
                 r.status = status
                 outs.append(self._emit(r, [], None))
         return outs
@@ -314,7 +363,7 @@ class LLMEngine:
         return list(self._children)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -326,6 +375,7 @@ class LLMEngine:
         after it returns. It is not called for a step that ran nothing. `launched`, if
         given, is called once the step's forward is under way (ModelRunner.execute);
         not for a step that ran nothing."""
+        failed = self._compiled() if self._compiling else []  # outputs of failed compiles
         offload = self.offload
         if offload is not None:
             offload.new_step()
@@ -339,13 +389,21 @@ class LLMEngine:
                 offload.ship()
                 if self.scheduler.loading:
                     offload.wait(0.005)  # only loads are pending: nothing to run until one lands
-            return []
+            if self._compiling:  # only compiles are pending: wait a little for one
+                futures.wait([r.grammar for r in self._compiling], 0.005,
+                             futures.FIRST_COMPLETED)
+            if failed and publish is not None:
+                publish(failed)
+            return failed
         sampled = self.runner.execute(sched, launched)  # (calls launched: ships)
         now = time.monotonic()
         touched = self.scheduler.advance(sched, sampled.tokens)
         self.num_steps += 1
+        for r in touched:
+            if r.matcher is not None:
+                self._advance_matcher(r)
         lps = sampled.logprobs or {}
-        outs = []
+        outs = failed
         for r in touched:
             lp = lps.get(r.request_id)
             outs.append(self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp],
@@ -360,10 +418,22 @@ class LLMEngine:
                 siblings = self._siblings.pop(r.request_id, None)
                 if siblings:  # the prompt is computed and cached: the other samples may start
                     for sib in siblings:
-                        self.scheduler.add(sib)
+                        self._schedule(sib)
         if self.config.debug:
             self.kv.check_integrity()
         return outs
+
+    def _advance_matcher(self, r: Request) -> None:
+        """Feed a constrained sample's new token to its matcher; one that reached the
+        constraint's end (accepted a stop token) finishes the sample."""
+        m = r.matcher
+        if not m.accept(r.output_token_ids[-1]):  # the mask allowed it: cannot happen
+            log.error("request %s: token %d broke its constraint", r.parent_id,
+                      r.output_token_ids[-1])
+            if not r.status.finished:
+                self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
+        elif m.terminated and not r.status.finished:  # ignore_eos: the constraint ends it
+            self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED)
 
     @staticmethod
     def _then_ship(offload: KVOffload, launched: Callable[[], None] | None) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -60,6 +61,10 @@ class Request:
     # Chained hashes of this request's full blocks (block i covers tokens
     # [i*bs, (i+1)*bs)); extended by the block manager as tokens become known.
     block_hashes: list[bytes] = field(default_factory=list)
+    # response_format: the constraint's compile (a Future; None: unconstrained), and
+    # this sample's matcher once it is compiled (engine/structured.py)
+    grammar: Any = None
+    matcher: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:

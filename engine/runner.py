@@ -287,12 +287,14 @@ class ModelRunner:
 
     def _sampling_batch(self, samplers: list[ScheduledRequest]) -> SamplingBatch:
         reqs = [s.request for s in samplers]
+        matchers = [r.matcher for r in reqs]
         return SamplingBatch(
             params=[r.params for r in reqs],
             generators=[self._generator(s) for s in samplers],
             prompt_ids=[r.prompt_token_ids for r in reqs],
             output_ids=[r.output_token_ids for r in reqs],
             eos_ids=[r.eos_token_ids for r in reqs],
+            matchers=matchers if any(m is not None for m in matchers) else [],
         )
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:

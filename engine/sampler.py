@@ -14,13 +14,14 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured import Matcher, apply_masks
 
 
 @dataclass
@@ -32,6 +33,8 @@ class SamplingBatch:
     prompt_ids: list[list[int]]  # per row (read for repetition_penalty)
     output_ids: list[list[int]]  # per row, tokens generated so far
     eos_ids: list[frozenset[int]]
+    # per row: the constraint's matcher (response_format), or None; [] when no row has one
+    matchers: list[Matcher | None] = field(default_factory=list)
 
     @property
     def all_greedy(self) -> bool:
@@ -40,9 +43,9 @@ class SamplingBatch:
     @property
     def argmax_only(self) -> bool:
         """Every row takes the argmax of the raw logits: no bias, banned tokens,
-        penalties or logprobs (then the argmax can run where the logits are)."""
+        penalties, constraint or logprobs (then the argmax can run where the logits are)."""
         return all(p.greedy and p.logprobs is None and not p.logit_bias and not p.penalized
-                   and p.min_tokens == 0 for p in self.params)
+                   and p.min_tokens == 0 and p.response_format is None for p in self.params)
 
 
 @dataclass
@@ -246,12 +249,15 @@ class Sampler:
                                                         want_lp))
 
     def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Bias, min_tokens and penalties: the logits that logprobs report."""
+        """Constraints, bias, min_tokens and penalties: the logits that logprobs report."""
         params = batch.params
+        if batch.matchers:
+            apply_masks(logits, batch.matchers)
         if any(p.logit_bias for p in params):
             apply_logit_bias(logits, [p.logit_bias for p in params])
+        # (not a constrained row's EOS: at its constraint's end it may be all that is left)
         banned = [sorted((set() if p.ignore_eos else set(eos)) | set(p.stop_token_ids))
-                  if len(out) < p.min_tokens else []
+                  if len(out) < p.min_tokens and p.response_format is None else []
                   for p, out, eos in zip(params, batch.output_ids, batch.eos_ids)]
         if any(banned):
             ban_tokens(logits, banned)

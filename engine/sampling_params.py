@@ -7,6 +7,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine.structured import ResponseFormat
+
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 MAX_N = 16
@@ -41,6 +43,10 @@ class SamplingParams:
       4. temperature (0 = greedy: argmax here), top_k, top_p, min_p; 5. sample.
     `seed` makes a sampled request reproducible whatever batch it runs in. `stop`
     strings end the output before the stop string, which never appears in the text.
+    `response_format` constrains the output (engine/structured.py): the tokens it does
+    not allow next are masked before step 1, so logprobs are those of the constrained
+    distribution; min_tokens does not hold a constrained output open past the
+    constraint's end.
     """
 
     max_tokens: int = 16
@@ -60,6 +66,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N alternatives per token (0: the chosen one only)
     n: int = 1
     skip_special_tokens: bool = True
+    # a JSON schema, JSON object, regex, choice or grammar (ResponseFormat.parse's shapes)
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1)
@@ -87,6 +95,7 @@ class SamplingParams:
         for t in ids:
             _integer("stop_token_ids", t, 0)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
 
     @staticmethod
     def _bias(bias: Any) -> dict[int, float]:

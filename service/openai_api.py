@@ -32,6 +32,7 @@ FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
           "top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition_penalty",
           "min_tokens": "min_tokens", "ignore_eos": "ignore_eos",
           "stop_token_ids": "stop_token_ids", "skip_special_tokens": "skip_special_tokens",
+          "response_format": "response_format", "structured_outputs": None,
           "model": None, "stream": None, "stream_options": None, "user": None,
           "logprobs": None, "top_logprobs": None, "messages": None, "prompt": None,
           "echo": None}
@@ -83,11 +84,35 @@ def sampling_params(body: dict[str, Any], chat: bool,
     elif not chat and isinstance(lp, int) and not isinstance(lp, bool):
         kw["logprobs"] = lp
     kw.setdefault("max_tokens", 16 if not chat else 512)
+    if body.get("structured_outputs") is not None:
+        if body.get("response_format") is not None:
+            raise ProtocolError("invalid_request",
+                                "give response_format or structured_outputs, not both")
+        kw["response_format"] = structured_outputs(body["structured_outputs"])
     try:
         merged: dict[str, Any] = {**(defaults or {}), **kw}
         return SamplingParams(**merged)
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e)) from None
+
+
+def structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's `structured_outputs` extra ({json | json_object | regex | choice |
+    grammar}: exactly one) as the response_format it stands for."""
+    kinds = ("json", "json_object", "regex", "choice", "grammar")
+    if not isinstance(value, dict):
+        raise ProtocolError("invalid_request", "structured_outputs must be an object")
+    extra = sorted(set(value) - set(kinds))
+    given = [k for k in kinds if value.get(k) not in (None, False)]
+    if extra or len(given) != 1:
+        raise ProtocolError("invalid_request", "structured_outputs takes exactly one of "
+                            f"{', '.join(kinds)}" + (f" (unknown: {', '.join(extra)})" if extra else ""))
+    kind = given[0]
+    if kind == "json":
+        return {"type": "json_schema", "json_schema": {"schema": value["json"]}}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": kind, kind: value[kind]}
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -152,6 +177,10 @@ async def _complete(request: Request, chat: bool) -> Response:
         body = await _body(request)
         _served(gw, body)
         params = sampling_params(body, chat, gw.sampling_defaults)
+        try:  # a constraint compiles (or fails) before the request is admitted
+            await gw.engine.prepare(params)
+        except ValueError as e:
+            raise ProtocolError("invalid_request", str(e)) from None
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
         table = (gw.engine.byte_table(False)
                  if chat and params.logprobs is not None else None)

@@ -31,8 +31,9 @@ from starlette.websockets import WebSocket
 from service.delivery import Live, Timings, done_frame, replay, step_frames
 from service.gateway import Gateway, Principal
 from service.origins import origin_allowed
-from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, ProtocolError,
-                              parse_generate, parse_resume, parse_warm, request_id)
+from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, Generate,
+                              ProtocolError, parse_generate, parse_resume, parse_warm,
+                              request_id)
 from service.sender import Sender
 
 
@@ -47,6 +48,7 @@ class Session:
         self.sender = Sender(ws, codec, self.limits, self._pull, self._delivered,
                              gateway.log_delivery)
         self.warms: set[asyncio.Task[None]] = set()
+        self.compiling: set[asyncio.Task[None]] = set()  # generates waiting for a compile
         self.session_id = uuid.uuid4().hex
 
     async def run(self) -> None:
@@ -228,6 +230,31 @@ class Session:
     def _generate(self, msg: dict[str, Any]) -> None:
         g = parse_generate(msg, self.gw.sampling_defaults)
         self._check_room(g.id)
+        try:
+            ready = self.gw.engine.format_ready(g.params)
+        except ValueError as e:
+            raise ProtocolError("invalid_request", str(e), g.id) from None
+        if ready:
+            self._start(g)
+            return
+        # its constraint is compiling (on the engine's grammar workers): the request
+        # starts once that is done; the socket goes on reading meanwhile
+        task = asyncio.create_task(self._start_compiled(g))
+        self.compiling.add(task)
+        task.add_done_callback(self.compiling.discard)
+
+    async def _start_compiled(self, g: Generate) -> None:
+        try:
+            try:
+                await self.gw.engine.prepare(g.params)
+            except ValueError as e:
+                raise ProtocolError("invalid_request", str(e), g.id) from None
+            self._check_room(g.id)
+            self._start(g)
+        except ProtocolError as e:
+            self._error(e)
+
+    def _start(self, g: Generate) -> None:
         ahead = self.gw.queue_position()
         adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, g.messages)
         if ahead is not None:
@@ -274,7 +301,7 @@ class Session:
         """Our side of the socket is done. If the client dropped, its unfinished
         requests are parked for a resume (blocks freed next step); otherwise, or past
         the limits, they are aborted (blocks freed next step)."""
-        for t in self.warms:
+        for t in (*self.warms, *self.compiling):
             t.cancel()
         for live in self.live.values():
             live.adm.stream.listener = None
