@@ -6,6 +6,7 @@ spend their time and throughput against batch size."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -73,6 +74,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
                    help="GiB for Tidewire's KV block pool (--profile-long raises it to fit)")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
+    p.add_argument("--response-format", default=None, metavar="JSON",
+                   help="also run the workload with every request constrained to this "
+                   "response_format (e.g. json_object, or a JSON object in OpenAI's shape) "
+                   "and print its throughput against the unconstrained run, plus the compile "
+                   "time of a 20-property JSON schema (first and cached)")
 
 
 def _hf_model(model_dir: Path, dtype: torch.dtype, device: str) -> Any:
@@ -115,8 +121,11 @@ def run_hf_static(model: Any, work: list[BenchRequest], batch_size: int, pad_id:
     return {"seconds": dt, "output_tokens": useful, "output_tok_s": useful / dt}
 
 
-def run_tidewire(llm: Any, work: list[BenchRequest], sampling: dict | None = None) -> dict:
-    """`sampling`: SamplingParams fields (temperature, top_p, top_k); default greedy."""
+def run_tidewire(llm: Any, work: list[BenchRequest], sampling: dict | None = None,
+                 lengths: list[int] | None = None) -> dict:
+    """`sampling`: SamplingParams fields (temperature, top_p, top_k, response_format);
+    default greedy. A constrained output ends at its constraint's end (ignore_eos
+    notwithstanding), so it may be shorter than the request's max_tokens."""
     from engine import SamplingParams
 
     sampling = {"temperature": 0.0, **(sampling or {})}
@@ -127,9 +136,58 @@ def run_tidewire(llm: Any, work: list[BenchRequest], sampling: dict | None = Non
     outs = llm.generate([r.prompt_token_ids for r in work], params)
     dt = time.perf_counter() - t0
     n = sum(len(o.token_ids) for o in outs)
-    assert n == sum(r.max_tokens for r in work), "tidewire produced a different token count"
+    if lengths is not None:
+        lengths[:] = [len(o.token_ids) for o in outs]
+    if sampling.get("response_format") is None:
+        assert n == sum(r.max_tokens for r in work), "tidewire produced a different token count"
     return {"seconds": dt, "output_tokens": n, "output_tok_s": n / dt,
             "steps": llm.engine.num_steps - steps0}
+
+
+def constrained_run(llm: Any, work: list[BenchRequest], sampling: dict, fmt: str,
+                    result: dict[str, Any], rounds: int = 5) -> None:
+    """The workload constrained to `fmt` against the unconstrained figure already in
+    `result`, and a 20-property schema's compile time (first use, then cached)."""
+    from engine.structured import ResponseFormat
+
+    rf = ResponseFormat.parse({"type": fmt} if not fmt.startswith("{") else json.loads(fmt))
+    props = {f"field_{i}": {"type": ("string", "integer", "boolean", "number")[i % 4]}
+             for i in range(20)}
+    schema = ResponseFormat.parse({"type": "json_schema", "json_schema": {
+        "name": "twenty", "schema": {"type": "object", "properties": props,
+                                     "required": list(props)}}})
+    grammars = llm.engine.grammars
+    t0 = time.perf_counter()
+    grammars.compile(schema)
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    grammars.compile(schema)
+    cached = time.perf_counter() - t0
+    run_tidewire(llm, work[:4], {**sampling, "response_format": rf})  # warm up
+    lengths: list[int] = []
+    runs = [run_tidewire(llm, work, {**sampling, "response_format": rf}, lengths)]
+    # the same requests unconstrained, each held to the length its constrained output
+    # reached (a constraint ends outputs early: equal work is what compares); the two
+    # alternate, five rounds each, and the fastest of each is kept (2-second runs on
+    # a shared machine are noisy)
+    same = [dataclasses.replace(r, max_tokens=n) for r, n in zip(work, lengths)]
+    frees = []
+    for i in range(rounds):
+        frees.append(run_tidewire(llm, same, sampling))
+        if i + 1 < rounds:
+            runs.append(run_tidewire(llm, work, {**sampling, "response_format": rf}))
+    con = min(runs, key=lambda r: r["seconds"])
+    free = min(frees, key=lambda r: r["seconds"])
+    con["unconstrained_same_lengths"] = free
+    con["ratio_to_unconstrained"] = con["output_tok_s"] / free["output_tok_s"]
+    con["compile_20_properties_s"] = {"first": first, "cached": cached}
+    result["constrained"] = con
+    print(f"constrained {con['output_tok_s']:7.1f} output tok/s ({con['seconds']:.1f}s, "
+          f"{con['output_tokens']} tokens, {con['steps']} steps, every request {rf.kind}); "
+          f"unconstrained at the same lengths {free['output_tok_s']:.1f} "
+          f"({free['seconds']:.1f}s): {con['ratio_to_unconstrained']:.3f}x")
+    print(f"compile of a 20-property JSON schema: first {first * 1e3:.1f} ms, cached "
+          f"{cached * 1e6:.0f} us")
 
 
 def single_stream(llm: Any, hf: Any, prompt: list[int], n: int, rounds: int = 3) -> dict:
@@ -302,6 +360,8 @@ def _throughput(llm: Any, hf: Any, work: list[BenchRequest], a: argparse.Namespa
     result["tidewire"] = run_tidewire(llm, work, sampling)
     print(f"tidewire   {result['tidewire']['output_tok_s']:8.1f} output tok/s "
           f"({result['tidewire']['seconds']:.1f}s, {result['tidewire']['steps']} steps)")
+    if a.response_format:
+        constrained_run(llm, work, sampling, a.response_format, result)
     if hf is not None:
         pad = llm.engine.arch.eos_token_ids[0] if llm.engine.arch.eos_token_ids else 0
         result["hf_static"] = run_hf_static(hf, work, a.hf_batch_size, pad, sampling)

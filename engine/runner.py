@@ -19,6 +19,7 @@ from engine.model import LlamaModel, ModelArch
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.structured import apply_masks
 
 
 @dataclass(slots=True)
@@ -166,6 +167,10 @@ class ModelRunner:
         if greedy is not None:
             return Sampled(dict(zip(sample_ids, greedy.cpu().tolist())))  # waits, no GIL
         if sampling.argmax_only:  # the model's dtype as it is: no fp32 copy of every row
+            return Sampled(dict(zip(sample_ids, logits.max(-1).indices.tolist())))
+        if sampling.masked_argmax_only and logits.device.type == "cpu":  # greedy, constrained
+            logits = logits.contiguous()
+            apply_masks(logits, sampling.matchers)
             return Sampled(dict(zip(sample_ids, logits.max(-1).indices.tolist())))
         # the sampler (and its seeded generators) run on the CPU, in fp32
         res = self.sampler(logits.to("cpu", torch.float32), sampling)

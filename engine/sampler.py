@@ -41,6 +41,13 @@ class SamplingBatch:
         return all(p.greedy for p in self.params)
 
     @property
+    def masked_argmax_only(self) -> bool:
+        """Every row takes the argmax of its logits once its constraint's mask (if any)
+        is applied: argmax_only but for response_format."""
+        return all(p.greedy and p.logprobs is None and not p.logit_bias and not p.penalized
+                   and p.min_tokens == 0 for p in self.params)
+
+    @property
     def argmax_only(self) -> bool:
         """Every row takes the argmax of the raw logits: no bias, banned tokens,
         penalties, constraint or logprobs (then the argmax can run where the logits are)."""

@@ -128,6 +128,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """reference.apply_token_bitmask, in one pass over the masked rows (whole words of
+    allowed tokens skipped)."""
+    torch.ops.tidewire.apply_token_bitmask(logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+
+
 MAX_SMALL_ROWS = 8
 
 

@@ -131,3 +131,15 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     bs = k_cache.shape[1]
     k_cache[slots // bs, slots % bs] = k[keep]
     v_cache[slots // bs, slots % bs] = v[keep]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits[r, t] = -inf (in place) for each row r in `rows` and each token t whose bit
+    is clear in bitmask[r]: bit t % 32 of the int32 word t // 32 (xgrammar's layout).
+    logits [n, vocab] (any float dtype); bitmask int32 [>= n, words]."""
+    vocab = logits.shape[-1]
+    idx = torch.tensor(rows, dtype=torch.int64)
+    words = bitmask[idx]
+    bits = (words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(len(rows), -1)[:, :vocab].bool()
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))

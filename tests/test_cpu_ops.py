@@ -192,3 +192,31 @@ def test_linear_small_matches_a_dense_matmul(rows, kind) -> None:
                                cpu_ops.linear_small(x, w.to(dtype)))
     with pytest.raises(RuntimeError, match="1 to 8 rows"):
         cpu_ops.linear_small(torch.zeros(9, 576, dtype=dtype), w.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [320, 49152, 1000])  # 1000: a partial last word
+def test_apply_token_bitmask_matches_reference(dtype: torch.dtype, vocab: int) -> None:
+    """Random words, plus words of all ones and of zeros (the fast paths), on a subset
+    of the rows; the other rows stay as they were. The reference is checked against a
+    per-token loop too."""
+    assert cpu_ops.available()
+    g = torch.Generator().manual_seed(vocab)
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (6, words), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[:, ::3] = -1
+    bitmask[:, 1::5] = 0
+    logits = torch.randn(6, vocab, generator=g).to(dtype)
+    rows = [0, 2, 5]
+    want, got = logits.clone(), logits.clone()
+    ref.apply_token_bitmask(want, bitmask, rows)
+    cpu_ops.apply_token_bitmask(got, bitmask, rows)
+    assert torch.equal(got, want)
+    b = bitmask.to(torch.int64) & 0xFFFFFFFF
+    for r in range(6):
+        for t in range(0, vocab, 7):
+            allowed = r not in rows or bool((int(b[r, t // 32]) >> (t % 32)) & 1)
+            assert (want[r, t] == float("-inf")) != allowed or logits[r, t] == float("-inf")
+            if allowed:
+                assert want[r, t] == logits[r, t]

@@ -340,6 +340,54 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
   }
 }
 
+// logits[r, t] = -inf for every token t whose bit is clear in bitmask[r] (bit t % 32 of
+// word t / 32), for each row r listed in `rows`. A word of all ones (32 allowed tokens)
+// is skipped whole and one of none is a plain fill: the masks of JSON-like constraints
+// are mostly such words.
+template <typename T>
+void apply_token_bitmask_typed(T* lp, int64_t vocab, const uint32_t* bp, int64_t words,
+                               const int64_t* rp, int64_t n) {
+  const T neg = T(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      T* row = lp + rp[i] * vocab;
+      const uint32_t* bits = bp + rp[i] * words;
+      for (int64_t w = 0; w < words && w * 32 < vocab; ++w) {
+        const uint32_t u = bits[w];
+        if (u == 0xFFFFFFFFu) continue;
+        const int64_t end = std::min<int64_t>(32, vocab - w * 32);
+        T* x = row + w * 32;
+        if (u == 0) {  // none allowed: a straight fill the compiler vectorizes
+          for (int64_t t = 0; t < end; ++t) x[t] = neg;
+          continue;
+        }
+        for (uint32_t z = ~u & (end == 32 ? 0xFFFFFFFFu : (1u << end) - 1); z; z &= z - 1)
+          x[__builtin_ctz(z)] = neg;  // each clear bit, lowest first
+      }
+    }
+  });
+}
+
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  check(logits.dim() == 2 && logits.is_contiguous() &&
+            (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+        "apply_token_bitmask: logits must be contiguous fp32 or bf16 [rows, vocab]");
+  check(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt &&
+            bitmask.size(0) >= logits.size(0),
+        "apply_token_bitmask: bitmask must be contiguous int32 [rows, words]");
+  check(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong,
+        "apply_token_bitmask: rows must be int64 [n]");
+  const int64_t vocab = logits.size(1), words = bitmask.size(1), n = rows.size(0);
+  const int64_t* rp = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    check(rp[i] >= 0 && rp[i] < logits.size(0), "apply_token_bitmask: row out of range");
+  const uint32_t* bp = reinterpret_cast<const uint32_t*>(bitmask.const_data_ptr<int32_t>());
+  if (logits.scalar_type() == at::kFloat)
+    apply_token_bitmask_typed(logits.data_ptr<float>(), vocab, bp, words, rp, n);
+  else
+    apply_token_bitmask_typed(logits.data_ptr<c10::BFloat16>(), vocab, bp, words, rp, n);
+}
+
 }  // namespace
 }  // namespace tw
 
@@ -360,4 +408,6 @@ TORCH_LIBRARY(tidewire, m) {
         &tw::decode_step);
   m.def("linear_small(Tensor(a!) out, Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> ()",
         &tw::linear_small);
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()",
+        &tw::apply_token_bitmask);
 }
