@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import cache_root
@@ -207,6 +208,10 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     @property
+    def template_renders_tools(self) -> bool:
+        return self.engine.template_renders_tools
+
+    @property
     def vocab_size(self) -> int:
         return self.engine.arch.vocab_size
 
@@ -240,9 +245,10 @@ class AsyncEngine:
         from the loop."""
         return self.engine.tokenize(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            generation_prompt: bool = True) -> list[int]:
-        return self.engine.apply_chat_template(messages, generation_prompt)
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self.engine.apply_chat_template(messages, generation_prompt, tools)
 
     def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
         """The detokenizer's per-token bytes (built once, on first use)."""

@@ -206,15 +206,23 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids must be integers in [0, {self.arch.vocab_size})")
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template takes a `tools` argument (and tool turns)."""
+        return "tools" in (getattr(self.tokenizer, "chat_template", None) or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation; without the generation prompt it is the prefix
-        that the next turn's prompt starts with (what `warm` caches)."""
+        that the next turn's prompt starts with (what `warm` caches). `tools` (OpenAI's
+        shape) go to a template that renders them."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
+        kw = {"tools": tools} if tools else {}
         out = self.tokenizer.apply_chat_template(messages,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True, return_dict=False)
+                                                 tokenize=True, return_dict=False, **kw)
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,

@@ -83,7 +83,8 @@ class Gateway:
 
     def submit(self, principal: Principal, params: SamplingParams, request_id: str | None = None,
                prompt: str | list[int] | None = None,
-               messages: list[dict[str, str]] | None = None, warm: bool = False) -> Admission:
+               messages: list[dict[str, Any]] | None = None, warm: bool = False,
+               tools: list[dict[str, Any]] | None = None) -> Admission:
         """Admit a request or raise ProtocolError (overloaded, invalid, too long...)."""
         lim = self.config.limits
         if not self.accepting:
@@ -96,7 +97,7 @@ class Gateway:
         if queued >= lim.max_queue:
             raise ProtocolError("overloaded", f"{queued} requests already waiting", request_id)
         rid = request_id or uuid.uuid4().hex
-        ids = self._prompt_ids(prompt, messages, rid, not warm)
+        ids = self._prompt_ids(prompt, messages, rid, not warm, tools)
         try:
             stream = self.engine.add_request(ids, params, self._engine_id(principal, rid),
                                              principal.salt)
@@ -147,12 +148,13 @@ class Gateway:
                 "reused_tokens": {"device": last.num_cached_tokens - last.num_host_cached_tokens,
                                   "host": last.num_host_cached_tokens}}
 
-    def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None,
-                    rid: str, generation_prompt: bool = True) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
+                    rid: str, generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         eng = self.engine
         try:
             if messages is not None:
-                return eng.apply_chat_template(messages, generation_prompt)
+                return eng.apply_chat_template(messages, generation_prompt, tools)
             assert prompt is not None
             return eng.tokenize(prompt)
         except (ValueError, TypeError) as e:

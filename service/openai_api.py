@@ -4,6 +4,7 @@ streaming as server-sent events. Errors use OpenAI's error shape."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -19,6 +20,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from service.gateway import Admission, Gateway, Principal
 from service.protocol import ProtocolError
 from service.delivery import Timings
+from service import tools as tool_calls
 
 HTTP_STATUS = {"invalid_request": 400, "unauthorized": 401, "model_not_found": 404,
                "context_length_exceeded": 400, "message_too_big": 413, "too_many_inflight": 429,
@@ -35,7 +37,7 @@ FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
           "response_format": "response_format", "structured_outputs": None,
           "model": None, "stream": None, "stream_options": None, "user": None,
           "logprobs": None, "top_logprobs": None, "messages": None, "prompt": None,
-          "echo": None}
+          "echo": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
 
 
 def error_response(e: ProtocolError) -> JSONResponse:
@@ -176,7 +178,17 @@ async def _complete(request: Request, chat: bool) -> Response:
         principal = gw.authenticate(request.headers.get("authorization"))
         body = await _body(request)
         _served(gw, body)
+        tools = _tools(body, chat)
         params = sampling_params(body, chat, gw.sampling_defaults)
+        if tools is not None and tools.constrained:
+            if params.response_format is not None:
+                raise ProtocolError("invalid_request", "a required or named tool_choice cannot "
+                                    "be combined with response_format")
+            try:
+                params = dataclasses.replace(params,
+                                             response_format=tool_calls.constraint(tools))
+            except ValueError as e:
+                raise ProtocolError("invalid_request", str(e)) from None
         try:  # a constraint compiles (or fails) before the request is admitted
             await gw.engine.prepare(params)
         except ValueError as e:
@@ -184,7 +196,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
         table = (gw.engine.byte_table(False)
                  if chat and params.logprobs is not None else None)
-        jobs = _submit_all(gw, principal, params, body, chat)
+        jobs = _submit_all(gw, principal, params, body, chat, tools)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
@@ -192,10 +204,10 @@ async def _complete(request: Request, chat: bool) -> Response:
             "model": gw.config.model_name}
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_sse(gw, jobs, meta, chat, include_usage, table),
+        return StreamingResponse(_sse(gw, jobs, meta, chat, include_usage, table, tools),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await _whole(gw, jobs, meta, chat, table)
+    return await _whole(gw, jobs, meta, chat, table, tools)
 
 
 @dataclass(slots=True, eq=False)
@@ -215,8 +227,19 @@ class _Job:
         self.timings = Timings(self.adm.arrival)
 
 
+def _tools(body: dict[str, Any], chat: bool) -> tool_calls.Tools | None:
+    if not chat:
+        extra = [k for k in ("tools", "tool_choice", "parallel_tool_calls") if k in body]
+        if extra:
+            raise ProtocolError("invalid_request", f"{extra[0]} is a /v1/chat/completions "
+                                "parameter")
+        return None
+    return tool_calls.parse(body)
+
+
 def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
-                body: dict[str, Any], chat: bool) -> list[_Job]:
+                body: dict[str, Any], chat: bool,
+                tools: tool_calls.Tools | None = None) -> list[_Job]:
     """Admit each prompt, or none: a refusal releases the ones already admitted."""
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
@@ -224,10 +247,14 @@ def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
     if chat and echo:
         raise ProtocolError("invalid_request", "echo is a /v1/completions parameter")
     prompts, messages = ([None], _inputs(body, True)[1]) if chat else (_prompts(body), None)
+    template_tools = None
+    if messages is not None:
+        messages, template_tools = tool_calls.render(messages, tools,
+                                                     gw.engine.template_renders_tools)
     jobs: list[_Job] = []
     try:
         for i, prompt in enumerate(prompts):
-            adm = gw.submit(principal, params, None, prompt, messages)
+            adm = gw.submit(principal, params, None, prompt, messages, tools=template_tools)
             jobs.append(_Job(adm, i * params.n,
                              _echo_text(gw, adm, prompt) if echo else None,  # type: ignore[arg-type]
                              params.logprobs is not None))
@@ -310,6 +337,8 @@ async def warm(request: Request) -> Response:
             raise ProtocolError("invalid_request", f"unknown parameter(s): {', '.join(extra)}")
         _served(gw, body)
         prompt, messages = _inputs(body, chat="messages" in body)
+        if messages is not None:  # earlier calls and results, as a tool-less template takes them
+            messages = tool_calls.render(messages, None, gw.engine.template_renders_tools)[0]
         return JSONResponse(await gw.warm(principal, None, prompt, messages))
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
@@ -318,18 +347,7 @@ async def warm(request: Request) -> Response:
 
 def _inputs(body: dict[str, Any], chat: bool) -> tuple[Any, Any]:
     if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise ProtocolError("invalid_request", "messages must be a non-empty list")
-        out = []
-        for m in msgs:
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            if not isinstance(content, str) or not isinstance(m.get("role"), str):
-                raise ProtocolError("invalid_request", "each message needs a role and content")
-            out.append({"role": m["role"], "content": content})
-        return None, out
+        return None, tool_calls.check_messages(body.get("messages"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -387,12 +405,19 @@ def _prompt_logprobs(job: _Job, tok: Any) -> dict[str, list[Any]]:
 
 
 def _choice(job: _Job, o: CompletionOutput, chat: bool, tok: Any,
-            table: list[bytes] | None) -> dict[str, Any]:
+            table: list[bytes] | None, tools: tool_calls.Tools | None = None) -> dict[str, Any]:
     """One sample of a finished request, in the non-streaming response."""
     assert job.last is not None
     c: dict[str, Any] = {"index": job.base + o.index, "finish_reason": _finish(o.finish_reason)}
     lp = _logprobs(job.last, o.index, len(o.token_ids), chat, tok, table)
-    if chat:
+    if chat and tools is not None:
+        calls = tool_calls.CallStream(tools.constrained)
+        calls.push(o.text)
+        calls.finish()
+        c["message"] = calls.message()
+        if calls.found_calls and o.finish_reason == "stop":
+            c["finish_reason"] = "tool_calls"
+    elif chat:
         c["message"] = {"role": "assistant", "content": o.text}
     elif job.echo is not None:
         c["text"] = job.echo + o.text
@@ -405,14 +430,14 @@ def _choice(job: _Job, o: CompletionOutput, chat: bool, tok: Any,
 
 
 async def _whole(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
-                 table: list[bytes] | None) -> Response:
+                 table: list[bytes] | None, tools: tool_calls.Tools | None = None) -> Response:
     try:
         async for job, last in _outputs(jobs):
             job.timings.token(len(last.new_token_ids), gw.log_tokens)
     finally:
         _end(gw, jobs)
     tok = gw.engine.tokenizer
-    choices = [_choice(job, o, chat, tok, table) for job in jobs
+    choices = [_choice(job, o, chat, tok, table, tools) for job in jobs
                for o in job.last.outputs]  # type: ignore[union-attr]  # every job has ended
     obj = "chat.completion" if chat else "text_completion"
     return JSONResponse({**meta, "object": obj, "choices": choices, "usage": _usage(jobs)})
@@ -427,6 +452,22 @@ def _chunk(meta: dict[str, Any], chat: bool, choices: list[dict[str, Any]],
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _tool_chunks(meta: dict[str, Any], streams: dict[tuple[int, int], tool_calls.CallStream],
+                 job: _Job, last: RequestOutput, tools: tool_calls.Tools) -> Iterator[str]:
+    """A delta's text as content and tool-call chunks (its CallStream's), the stream's
+    remainder too once the choice is done."""
+    key = (job.base, last.index)
+    calls = streams.get(key)
+    if calls is None:
+        calls = streams[key] = tool_calls.CallStream(tools.constrained)
+    deltas = calls.push(last.delta_text)
+    if last.outputs[last.index].finish_reason:
+        deltas += calls.finish()
+    for d in deltas:
+        yield _chunk(meta, True, [{"index": job.base + last.index, "delta": d,
+                                   "finish_reason": None}])
+
+
 def _echo_chunks(meta: dict[str, Any], jobs: list[_Job], tok: Any) -> Iterator[str]:
     """Streaming `echo`: each choice's prompt text comes first, in a chunk of its own."""
     for job in jobs:
@@ -439,11 +480,14 @@ def _echo_chunks(meta: dict[str, Any], jobs: list[_Job], tok: Any) -> Iterator[s
 
 
 async def _sse(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
-               include_usage: bool, table: list[bytes] | None) -> AsyncIterator[str]:
+               include_usage: bool, table: list[bytes] | None,
+               tools: tool_calls.Tools | None = None) -> AsyncIterator[str]:
     """Role first (chat), then content deltas, finish_reason on each choice's last
     chunk, optionally a usage chunk, then [DONE]. A client that disconnects closes this
-    generator, which aborts the request."""
+    generator, which aborts the request. With tools, a choice's text goes through its
+    CallStream: content and tool-call deltas."""
     tok = gw.engine.tokenizer
+    streams: dict[tuple[int, int], tool_calls.CallStream] = {}
     try:
         if chat:
             yield _chunk(meta, chat, [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -457,7 +501,16 @@ async def _sse(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
             if not (last.delta_text or last.new_token_ids or done):
                 continue
             c: dict[str, Any] = {"index": job.base + last.index, "finish_reason": _finish(done)}
-            if chat:
+            if chat and tools is not None:
+                for chunk in _tool_chunks(meta, streams, job, last, tools):
+                    yield chunk
+                calls = streams[(job.base, last.index)]
+                c["delta"] = {}  # the text went out as the chunks above
+                if done == "stop" and calls.found_calls:
+                    c["finish_reason"] = "tool_calls"
+                if not done and job.logprobs is False:
+                    continue  # this chunk would carry nothing
+            elif chat:
                 c["delta"] = {"content": last.delta_text}
             else:
                 c["text"] = last.delta_text

@@ -1,0 +1,353 @@
+"""Tool calling for chat requests: OpenAI's `tools`, `tool_choice` and
+`parallel_tool_calls`, the conversation's tool turns, and the model's calls parsed back
+out of its text (streamed as OpenAI streams them).
+
+How the model learns of the tools: a chat template that renders `tools` itself gets
+them (and the history's structured calls); for one that does not, such as the default
+model's, Tidewire prepends a system message (`system_prompt`) that lists the functions
+as JSON and asks for calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+blocks, and writes earlier calls and tool results into the history in that form.
+
+`tool_choice`:
+- "none": the tools are left out of the prompt; the answer is plain text.
+- "auto" (the default with tools): the answer is free; `<tool_call>` blocks in it become
+  `tool_calls` (finish_reason "tool_calls"), the rest stays `content`.
+- "required", or {"type": "function", "function": {"name": ...}}: the answer is
+  constrained (engine/structured.py) to a JSON array of calls `[{"name": ..., "arguments":
+  {...}}]` whose arguments match the function's parameters schema: at least one call,
+  at most one without `parallel_tool_calls` and for a named function.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from service.protocol import ProtocolError
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class Tools:
+    functions: tuple[dict[str, Any], ...]  # {name, description, parameters}
+    choice: str  # "none" | "auto" | "required" | "function"
+    name: str | None = None  # the function tool_choice names
+    parallel: bool = True
+
+    @property
+    def constrained(self) -> bool:
+        return self.choice in ("required", "function")
+
+
+def parse(body: dict[str, Any]) -> Tools | None:
+    """The request's tools (None without any, or with tool_choice "none")."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ProtocolError("invalid_request", "parallel_tool_calls must be a boolean")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ProtocolError("invalid_request", "tool_choice needs tools")
+        return None
+    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+        raise ProtocolError("invalid_request", f"tools must be a list of 1-{MAX_TOOLS} tools")
+    functions = []
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ProtocolError("invalid_request",
+                                f"tools[{i}] must be {{type: function, function: {{name, ...}}}}")
+        if not _NAME.match(fn["name"]):
+            raise ProtocolError("invalid_request", f"tools[{i}].function.name must be 1-64 "
+                                "letters, digits, '_', '.' or '-'")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise ProtocolError("invalid_request", f"tools[{i}].function.parameters must be a "
+                                "JSON schema object")
+        desc = fn.get("description", "")
+        if not isinstance(desc, str):
+            raise ProtocolError("invalid_request", f"tools[{i}].function.description must be "
+                                "a string")
+        functions.append({"name": fn["name"], "description": desc, "parameters": params})
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise ProtocolError("invalid_request", "tools must have distinct names")
+    if choice is None:
+        choice = "auto"
+    if choice == "none":
+        return None
+    if choice in ("auto", "required"):
+        return Tools(tuple(functions), choice, None, parallel)
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if (not isinstance(choice, dict) or not isinstance(fn, dict)
+            or choice.get("type") != "function" or not isinstance(fn.get("name"), str)):
+        raise ProtocolError("invalid_request", 'tool_choice must be "none", "auto", '
+                            '"required" or {"type": "function", "function": {"name": ...}}')
+    if fn["name"] not in names:
+        raise ProtocolError("invalid_request", f"tool_choice names {fn['name']!r}, which is "
+                            "not in tools")
+    return Tools(tuple(functions), "function", fn["name"], parallel)
+
+
+def constraint(t: Tools) -> dict[str, Any] | None:
+    """The response_format that holds a "required" or named-function answer to a JSON
+    array of valid calls (None for "auto")."""
+    if not t.constrained:
+        return None
+    fns = [f for f in t.functions if t.choice == "required" or f["name"] == t.name]
+    calls = [{"type": "object",
+              "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+              "required": ["name", "arguments"]} for f in fns]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                              "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not t.parallel or t.choice == "function":
+        schema["maxItems"] = 1
+    return {"type": "json_schema", "json_schema": {"name": "tool_calls", "schema": schema}}
+
+
+def system_prompt(t: Tools) -> str:
+    """What a model whose chat template has no tool support is told of the tools."""
+    listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in t.functions)
+    if t.constrained:
+        which = f"the function {t.name}" if t.choice == "function" else "one of these functions"
+        how = (f"You must call {which}. Answer with nothing but a JSON array of calls, each "
+               '{"name": <function name>, "arguments": <an object matching its parameters>}.')
+    else:
+        how = ("To call a function, answer with one block per call: "
+               f'{OPEN}{{"name": <function name>, "arguments": <an object matching its '
+               f"parameters>}}{CLOSE}. Call one only when it helps answer; otherwise "
+               "answer normally.")
+    return f"You can use these functions (JSON schemas):\n{listing}\n\n{how}"
+
+
+def check_messages(messages: Any) -> list[dict[str, Any]]:
+    """The chat messages: {role, content} each, plus an assistant's `tool_calls` (its
+    content may then be null) and a tool result's `tool_call_id`; content parts are
+    joined into text."""
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("invalid_request", "messages must be a non-empty list")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ProtocolError("invalid_request", "each message needs a role and content")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        calls = m.get("tool_calls")
+        if content is None and m["role"] == "assistant" and calls:
+            content = ""
+        if not isinstance(content, str):
+            raise ProtocolError("invalid_request", "each message needs a role and content")
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if calls is not None:
+            if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str)
+                    and isinstance(c["function"].get("arguments", "{}"), str) for c in calls):
+                raise ProtocolError("invalid_request", "tool_calls belong to assistant messages:"
+                                    " [{id, type, function: {name, arguments (a JSON string)}}]")
+            msg["tool_calls"] = [{"id": c.get("id", ""), "type": "function",
+                                  "function": {"name": c["function"]["name"],
+                                               "arguments": c["function"].get("arguments", "{}")}}
+                                 for c in calls]
+        if m["role"] == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+        out.append(msg)
+    return out
+
+
+def render(messages: list[dict[str, Any]], t: Tools | None,
+           template_tools: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages to give the chat template, and the `tools` argument to give it
+    (None: none). A template that renders tools gets them and the structured history as
+    it is; otherwise the tools go into a system message and the history's calls and
+    results are written out as text."""
+    plain = not any("tool_calls" in m or m["role"] == "tool" for m in messages)
+    if template_tools:
+        tools = ([{"type": "function", "function": f} for f in t.functions]
+                 if t is not None else None)
+        return messages, tools
+    out = []
+    for m in messages:
+        if "tool_calls" in m:
+            blocks = "".join(f'{OPEN}{{"name": {json.dumps(c["function"]["name"])}, '
+                             f'"arguments": {c["function"]["arguments"]}}}{CLOSE}'
+                             for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": m["content"] + blocks})
+        elif m["role"] == "tool":
+            out.append({"role": "user",
+                        "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if t is not None:
+        prompt = system_prompt(t)
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    elif plain:
+        return messages, None
+    return out, None
+
+
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class CallStream:
+    """One choice's text, turned into OpenAI chat deltas as it grows: `push` takes the
+    next piece of text and returns deltas ({"content": ...} or {"tool_calls": [...]});
+    `finish` returns the rest. A call goes out as OpenAI streams it: a delta with its
+    index, id, type and name (arguments ""), then fragments of its arguments.
+
+    `constrained` (tool_choice "required" or a named function): the whole text is a
+    JSON array of {"name", "arguments"} objects, the name first (the constraint's order).
+    Otherwise ("auto") text outside <tool_call> blocks is content; each block's JSON is
+    a call (a block that is not valid JSON goes out as content)."""
+
+    def __init__(self, constrained: bool) -> None:
+        self.constrained = constrained
+        self.calls: list[dict[str, Any]] = []  # {id, name, arguments} as they complete
+        self.content: list[str] = []
+        self._buf = ""  # auto: text held back (a tag may be starting, or a block is open)
+        self._in_block = False
+        # constrained: a scan of the JSON array
+        self._depth = 0
+        self._in_str = self._escape = False
+        self._obj = ""  # the current call object's text so far
+        self._args_from = -1  # where its arguments start in _obj, once its name is known
+        self._args_sent = 0
+
+    @property
+    def found_calls(self) -> bool:
+        return bool(self.calls)
+
+    def push(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        return self._push_json(text) if self.constrained else self._push_tagged(text)
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self.constrained:
+            return []
+        rest, self._buf = self._buf, ""
+        return self._content(rest)  # an unterminated block, or a partial tag: plain text
+
+    # -- constrained: a JSON array of calls --------------------------------------------
+
+    def _push_json(self, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for ch in text:
+            depth0 = self._depth
+            if self._in_str:
+                if self._escape:
+                    self._escape = False
+                elif ch == "\\":
+                    self._escape = True
+                elif ch == '"':
+                    self._in_str = False
+            elif ch == '"':
+                self._in_str = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+            if depth0 >= 2 or (depth0 == 1 and ch == "{"):
+                self._obj += ch
+            if depth0 == 2 and self._depth == 1:  # a call object closed
+                out += self._flush_args(final=True)
+                self._obj, self._args_from, self._args_sent = "", -1, 0
+            elif self._depth >= 2 and self._args_from < 0:
+                m = re.match(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*',
+                             self._obj)
+                if m and m.end() == len(self._obj):
+                    self._args_from = m.end()
+                    self.calls.append({"id": _call_id(), "name": json.loads(m.group(1)),
+                                       "arguments": ""})
+                    out.append(self._start_delta(len(self.calls) - 1))
+        return out + self._flush_args(final=False)
+
+    def _flush_args(self, final: bool) -> list[dict[str, Any]]:
+        if self._args_from < 0:
+            return []
+        # the arguments run to the call object's closing brace (not included)
+        end = len(self._obj) - 1 if final else len(self._obj)
+        piece = self._obj[self._args_from + self._args_sent:end]
+        if not self.calls[-1]["arguments"]:  # whitespace before the value is not sent
+            self._args_sent += len(piece) - len(piece.lstrip())
+            piece = piece.lstrip()
+        if not piece:
+            return []
+        self._args_sent += len(piece)
+        self.calls[-1]["arguments"] += piece
+        return [{"tool_calls": [{"index": len(self.calls) - 1,
+                                 "function": {"arguments": piece}}]}]
+
+    # -- auto: <tool_call> blocks in text ----------------------------------------------
+
+    def _push_tagged(self, text: str) -> list[dict[str, Any]]:
+        self._buf += text
+        out: list[dict[str, Any]] = []
+        while True:
+            if self._in_block:
+                end = self._buf.find(CLOSE)
+                if end < 0:
+                    return out
+                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+                self._in_block = False
+                out += self._block(body)
+                continue
+            start = self._buf.find(OPEN)
+            if start >= 0:
+                out += self._content(self._buf[:start])
+                self._buf = self._buf[start + len(OPEN):]
+                self._in_block = True
+                continue
+            keep = next((k for k in range(min(len(OPEN) - 1, len(self._buf)), 0, -1)
+                         if OPEN.startswith(self._buf[-k:])), 0)  # a tag may be starting
+            out += self._content(self._buf[:len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep:]
+            return out
+
+    def _block(self, body: str) -> list[dict[str, Any]]:
+        try:
+            call = json.loads(body)
+            name, args = call["name"], call.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError(name)
+        except (ValueError, TypeError, KeyError):
+            return self._content(OPEN + body + CLOSE)
+        args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        self.calls.append({"id": _call_id(), "name": name, "arguments": args_text})
+        i = len(self.calls) - 1
+        return [self._start_delta(i),
+                {"tool_calls": [{"index": i, "function": {"arguments": args_text}}]}]
+
+    def _content(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        self.content.append(text)
+        return [{"content": text}]
+
+    def _start_delta(self, i: int) -> dict[str, Any]:
+        c = self.calls[i]
+        return {"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                "function": {"name": c["name"], "arguments": ""}}]}
+
+    def message(self) -> dict[str, Any]:
+        """The whole message (non-streaming), after every push and the finish."""
+        content = "".join(self.content)
+        msg: dict[str, Any] = {"role": "assistant", "content": content or None}
+        if self.calls:
+            msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                 for c in self.calls]
+        elif msg["content"] is None:
+            msg["content"] = ""
+        return msg
