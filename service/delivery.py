@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.outputs import RequestOutput
 from service.protocol import ProtocolError
+from service.tools import CallStream, Tools
 
 if TYPE_CHECKING:
     from service.gateway import Admission
@@ -70,6 +71,8 @@ class Live:
     marks: list[tuple[int, int, int]] = field(default_factory=list)
     ended: bool = False  # its done frame is built (tail holds it until it is written)
     tail: list[dict[str, Any]] = field(default_factory=list)
+    tools: Tools | None = None  # a chat request with tools: its calls are parsed out
+    calls: dict[int, CallStream] = field(default_factory=dict)  # by sample index
 
 
 def step_frames(live: Live, log_tokens: Callable[[bool, float, int], None]
@@ -92,9 +95,23 @@ def step_frames(live: Live, log_tokens: Callable[[bool, float, int], None]
             index = step.index
             c = out.outputs[index]
             live.marks.append((index, len(c.token_ids), c.text_len))
-            frames.append(delta_frame(live.rid, live.seq, index, len(out.outputs), new, text,
-                                      c.logprobs if live.logprobs else None))
+            frame = delta_frame(live.rid, live.seq, index, len(out.outputs), new, text,
+                                c.logprobs if live.logprobs else None)
+            if live.tools is not None:
+                calls = _tool_call_deltas(live, index, text)
+                if calls:
+                    frame["tool_calls"] = calls
+            frames.append(frame)
     return frames
+
+
+def _tool_call_deltas(live: Live, index: int, text: str) -> list[dict[str, Any]]:
+    """The tool-call deltas (OpenAI's shape) that a sample's new text completes."""
+    assert live.tools is not None
+    stream = live.calls.get(index)
+    if stream is None:
+        stream = live.calls[index] = CallStream(live.tools.constrained)
+    return [c for d in stream.push(text) for c in d.get("tool_calls", ())]
 
 
 def replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
@@ -149,7 +166,8 @@ def delta_frame(rid: str, seq: int, index: int, n: int, token_ids: list[int], te
 
 
 def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str,
-               track: Timings) -> dict[str, Any]:
+               track: Timings, tools: Tools | None = None,
+               calls: dict[int, CallStream] | None = None) -> dict[str, Any]:
     completion = sum(len(o.token_ids) for o in last.outputs) if last else 0
     done: dict[str, Any] = {
         "type": "done", "id": rid, "status": STATUS.get(reason, "failed"),
@@ -159,7 +177,27 @@ def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str
                   "cached_tokens": cached_tokens(last)},
         "timings": track.summary(completion, adm.stream.queue_time),
     }
+    reasons = [FINISH.get(o.finish_reason or "error", "error")
+               for o in last.outputs] if last else []
+    if tools is not None and last is not None:
+        # the complete calls (ids as their deltas had them) and the text around them
+        # (a replay after a resume resends text, not tool-call deltas: this is the record)
+        done["tool_calls"], done["content"] = [], []
+        for i, o in enumerate(last.outputs):
+            stream = (calls or {}).get(i)
+            if stream is None:
+                stream = CallStream(tools.constrained)
+                stream.push(o.text)
+            stream.finish()
+            msg = stream.message()
+            for call in msg.get("tool_calls", []):
+                done["tool_calls"].append({**call, "index": i} if len(last.outputs) > 1 else call)
+            done["content"].append(msg["content"])
+            if stream.found_calls and reasons[i] == "stop":
+                reasons[i] = "tool_calls"
+        if len(last.outputs) == 1:
+            done["content"] = done["content"][0]
+        done["finish_reason"] = reasons[0] if len(reasons) == 1 else done["finish_reason"]
     if last and len(last.outputs) > 1:
-        done["finish_reasons"] = [FINISH.get(o.finish_reason or "error", "error")
-                                  for o in last.outputs]
+        done["finish_reasons"] = reasons
     return done

@@ -115,8 +115,9 @@ def _load_json(data: bytes | str) -> Any:
 class Generate:
     id: str
     prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     params: SamplingParams
+    tools: Any = None  # service.tools.Tools, for a chat request with tools
 
 
 def request_id(msg: dict[str, Any]) -> str:
@@ -141,13 +142,30 @@ def parse_generate(msg: dict[str, Any], defaults: dict[str, Any] | None = None) 
     params = msg.get("params", {})
     if not isinstance(params, dict):
         raise ProtocolError("invalid_request", "params must be an object", rid)
+    from service import tools as tool_calls  # (it imports this module)
+
+    # null means "unset", as over HTTP: the default (or the field's own) applies
+    set_fields = {k: v for k, v in params.items() if v is not None}
+    tool_fields = {k: set_fields.pop(k) for k in ("tools", "tool_choice", "parallel_tool_calls")
+                   if k in set_fields}
+    tools = None
+    if tool_fields:
+        if "messages" not in msg:
+            raise ProtocolError("invalid_request", "tools need messages", rid)
+        try:
+            tools = tool_calls.parse(tool_fields)
+        except ProtocolError as e:
+            raise ProtocolError(e.code, e.message, rid) from None
+        if tools is not None and tools.constrained:
+            if "response_format" in set_fields:
+                raise ProtocolError("invalid_request", "a required or named tool_choice cannot "
+                                    "be combined with response_format", rid)
+            set_fields["response_format"] = tool_calls.constraint(tools)
     try:
-        # null means "unset", as over HTTP: the default (or the field's own) applies
-        set_fields = {k: v for k, v in params.items() if v is not None}
         sp = SamplingParams.from_dict({**(defaults or {}), **set_fields})
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e), rid) from None
-    return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp)
+    return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp, tools)
 
 
 @dataclass
@@ -207,14 +225,15 @@ def _prompt(msg: dict[str, Any], rid: str) -> str | list[int] | None:
     return None
 
 
-def _messages(msg: dict[str, Any], rid: str) -> list[dict[str, str]] | None:
+def _messages(msg: dict[str, Any], rid: str) -> list[dict[str, Any]] | None:
+    """{role, content} strings each; an assistant turn may carry `tool_calls` (content
+    then null) and a `tool` turn a `tool_call_id` (service/tools.py)."""
+    from service import tools as tool_calls  # (it imports this module)
+
     if "messages" not in msg:
         return None
-    msgs = msg["messages"]
-    ok = isinstance(msgs, list) and msgs and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str) for m in msgs)
-    if not ok:
-        raise ProtocolError("invalid_request",
-                            "messages must be a non-empty list of {role, content} strings", rid)
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+    try:
+        return tool_calls.check_messages(msg["messages"])
+    except ProtocolError:
+        raise ProtocolError("invalid_request", "messages must be a non-empty list of "
+                            "{role, content} strings (and tool turns)", rid) from None

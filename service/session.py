@@ -34,6 +34,7 @@ from service.origins import origin_allowed
 from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, Generate,
                               ProtocolError, parse_generate, parse_resume, parse_warm,
                               request_id)
+from service import tools as tool_calls
 from service.sender import Sender
 
 
@@ -118,7 +119,8 @@ class Session:
             frames.append(self._failed(ProtocolError(
                 "internal_error", (last.error if last else None) or "engine failure", live.rid)))
         self._forget(live, reason)
-        frames.append(done_frame(live.rid, live.adm, last, reason, live.track))
+        frames.append(done_frame(live.rid, live.adm, last, reason, live.track, live.tools,
+                                 live.calls))
         live.ended, live.tail = True, frames
         self.unsent[live.rid] = live
         return frames
@@ -256,10 +258,15 @@ class Session:
 
     def _start(self, g: Generate) -> None:
         ahead = self.gw.queue_position()
-        adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, g.messages)
+        messages, template_tools = g.messages, None
+        if messages is not None:
+            messages, template_tools = tool_calls.render(messages, g.tools,
+                                                         self.gw.engine.template_renders_tools)
+        adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, messages,
+                             tools=template_tools)
         if ahead is not None:
             self._frame({"type": "queued", "id": g.id, "position": ahead})
-        live = Live(g.id, adm, g.params.logprobs is not None, Timings(adm.arrival))
+        live = Live(g.id, adm, g.params.logprobs is not None, Timings(adm.arrival), tools=g.tools)
         self.live[g.id] = live
         # No output can have arrived yet: dispatch runs on this (the loop) thread.
         adm.stream.listener = partial(self.sender.notify, live)

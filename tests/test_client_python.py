@@ -217,3 +217,45 @@ async def test_streams_survive_a_dropped_connection(server) -> None:
         assert sum((d.token_ids for d in g), []) == w.token_ids[0]
     assert 'outcome="resumed"} 3.0' in http_get(server.url + "/metrics")[1].decode()
     await wait_idle(server)
+
+
+async def test_parse_with_a_pydantic_model_and_tool_calls(server) -> None:
+    """chat.parse() sends a Pydantic model's schema and returns its instance; a cut-off
+    output raises IncompleteOutputError; tool calls come whole in the Completion."""
+    from pydantic import BaseModel, Field
+
+    from tidewire_client import IncompleteOutputError
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=20)
+        legs: int = Field(ge=0, le=8)
+
+    async with client(server) as c:
+        got = await c.chat.parse([{"role": "user", "content": "Describe a pet."}],
+                                 response_format=Pet, max_tokens=60, temperature=0)
+        assert isinstance(got.parsed, Pet) and got.parsed.legs <= 8
+        assert Pet.model_validate_json(got.text) == got.parsed
+        with pytest.raises(IncompleteOutputError) as e:
+            await c.chat.parse(ASK, response_format=Pet, max_tokens=3, temperature=0)
+        assert e.value.completion.finish_reason == "length"
+        schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+                  "required": ["n"]}
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        got = await c.chat.parse(ASK, response_format=fmt, max_tokens=20, temperature=0)
+        assert isinstance(got.parsed, dict) and got.parsed["n"] <= 9
+        tool = {"type": "function", "function": {"name": "paint", "parameters": {
+            "type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
+            "required": ["color"]}}}
+        events = []
+        stream = await c.chat.stream(ASK, tools=[tool], tool_choice="required", max_tokens=40,
+                                     temperature=0)
+        async for ev in stream:
+            events.append(ev)
+        done = await stream.final()
+        assert done.finish_reason == "tool_calls" and done.content is None
+        (call,) = done.tool_calls
+        assert call["function"]["name"] == "paint"
+        assert json.loads(call["function"]["arguments"])["color"] in ("red", "blue")
+        frags = [t for ev in events if isinstance(ev, DeltaEvent) for t in ev.tool_calls or []]
+        assert frags[0]["id"] == call["id"]
+        assert "".join(t["function"]["arguments"] for t in frags) == call["function"]["arguments"]

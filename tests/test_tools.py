@@ -208,3 +208,26 @@ def test_bad_tool_requests_answer_400(server, extra: dict, message: str) -> None
     with pytest.raises(openai.BadRequestError, match="chat/completions parameter"):
         client(server).completions.create(model="smollm2-135m", prompt="x", max_tokens=2,
                                           extra_body={"tools": TOOLS})
+
+
+@pytest.mark.slow
+async def test_socket_tools_required(server) -> None:
+    from tests.test_service_ws import JSON, error_frame, open_client
+
+    ws, c = await open_client(server, JSON)
+    async with ws:
+        await c.send({"type": "generate", "id": "t", "messages": ASK,
+                      "params": {"max_tokens": 120, "temperature": 0, "tools": TOOLS,
+                                 "tool_choice": "required", "parallel_tool_calls": False}})
+        msgs = await c.until_done({"t"})
+        deltas = [tc for m in msgs if m["type"] == "delta" for tc in m.get("tool_calls", [])]
+        assert deltas and deltas[0]["id"].startswith("call_") and deltas[0]["type"] == "function"
+        args = "".join(d["function"]["arguments"] for d in deltas)
+        done = msgs[-1]
+        assert done["finish_reason"] == "tool_calls" and done["content"] is None
+        (call,) = done["tool_calls"]
+        assert call["id"] == deltas[0]["id"] and call["function"]["arguments"] == args
+        _check_call(call["function"]["name"], args)
+        await c.send({"type": "generate", "id": "bad", "messages": ASK,
+                      "params": {"tool_choice": "required"}})
+        assert "tool_choice needs tools" in error_frame(await c.recv(), "invalid_request", "bad")

@@ -42,24 +42,72 @@ export interface DeltaEvent {
   /** the sample, when n > 1 */
   index?: number;
   logprobs?: { token_id: number; logprob: number; top: [number, number][] }[];
+  /** with tools: the tool-call deltas this text completed (OpenAI's streaming shape) */
+  tool_calls?: ToolCallDelta[];
+}
+
+/** A tool call, whole: `arguments` is a JSON string. */
+export interface ToolCall {
+  id: string;
+  type: "function";
+  function: { name: string; arguments: string };
+  /** the sample, when n > 1 */
+  index?: number;
+}
+
+/** A piece of a streamed tool call: id, type and name come once (arguments ""), then
+ * fragments of its arguments, under the same index. */
+export interface ToolCallDelta {
+  index: number;
+  id?: string;
+  type?: "function";
+  function: { name?: string; arguments: string };
 }
 
 export interface DoneEvent {
   type: "done";
   id: string;
   status: "completed" | "cancelled" | "failed";
-  finish_reason: "stop" | "length" | "cancelled" | "error";
+  finish_reason: "stop" | "length" | "tool_calls" | "cancelled" | "error";
   usage: Usage;
   timings: Timings;
   finish_reasons?: string[];
+  /** with tools: every call, whole, and the text outside them (null when none) */
+  tool_calls?: ToolCall[];
+  content?: string | null | (string | null)[];
 }
 
 export type StreamEvent = QueuedEvent | StartEvent | DeltaEvent | DoneEvent;
 
 export interface Message {
-  role: "system" | "user" | "assistant" | string;
-  content: string;
+  role: "system" | "user" | "assistant" | "tool" | string;
+  /** null for an assistant turn that only called tools */
+  content: string | null;
+  /** an assistant turn's calls */
+  tool_calls?: ToolCall[];
+  /** a tool turn: the call it answers */
+  tool_call_id?: string;
 }
+
+/** A JSON Schema (draft 2020-12 subset that the server's grammar compiler takes). */
+export type JSONSchema = Record<string, unknown> | boolean;
+
+/** What the output must be: JSON matching a schema, any JSON object, text matching a
+ * regex, one of some strings, or text of an EBNF grammar. */
+export type ResponseFormat =
+  | { type: "text" }
+  | { type: "json_object" }
+  | { type: "json_schema"; json_schema: { name?: string; schema: JSONSchema; strict?: boolean; description?: string } }
+  | { type: "regex"; regex: string }
+  | { type: "choice"; choice: string[] }
+  | { type: "grammar"; grammar: string };
+
+export interface Tool {
+  type: "function";
+  function: { name: string; description?: string; parameters?: JSONSchema };
+}
+
+export type ToolChoice = "none" | "auto" | "required" | { type: "function"; function: { name: string } };
 
 /** Sampling parameters, as the server's `params` object takes them. */
 export interface SamplingParams {
@@ -80,6 +128,12 @@ export interface SamplingParams {
   ignore_eos?: boolean;
   logprobs?: number;
   skip_special_tokens?: boolean;
+  /** constrain the output (see docs/protocol.md) */
+  response_format?: ResponseFormat;
+  /** chat only: functions the model may call */
+  tools?: Tool[];
+  tool_choice?: ToolChoice;
+  parallel_tool_calls?: boolean;
 }
 
 export interface RequestOptions extends SamplingParams {
@@ -107,6 +161,10 @@ export interface Completion {
   usage: Usage;
   timings: Timings;
   cachedTokens: CachedTokens;
+  /** with tools: the calls, whole */
+  toolCalls?: ToolCall[];
+  /** with tools: the text outside the calls */
+  content?: DoneEvent["content"];
 }
 
 export interface WarmResult {

@@ -200,6 +200,9 @@ export class Stream {
       usage: this.done.usage,
       timings: this.done.timings,
       cachedTokens: this.start?.cached_tokens ?? { device: 0, host: 0 },
+      // with tools: the calls, whole, and the text outside them
+      toolCalls: this.done.tool_calls,
+      content: this.done.content,
     };
   }
 

@@ -141,3 +141,39 @@ test("streams survive a dropped connection (resumed on a new socket)", async () 
   }
   assert.notEqual(c.ready.session_id, first);
 });
+
+test("response_format takes a JSON schema; tool calls stream and come whole", async () => {
+  const c = client();
+  const schema = {
+    type: "object",
+    properties: { city: { type: "string", maxLength: 20 }, rank: { type: "integer", minimum: 1, maximum: 9 } },
+    required: ["city", "rank"],
+  };
+  const r = await c.chat.create({
+    messages: ask("Name a city as JSON."),
+    max_tokens: 60,
+    temperature: 0,
+    response_format: { type: "json_schema", json_schema: { name: "city", schema } },
+  });
+  assert.equal(r.finishReason, "stop");
+  const obj = JSON.parse(r.text);
+  assert.equal(typeof obj.city, "string");
+  assert.ok(obj.rank >= 1 && obj.rank <= 9);
+  const tools = [{ type: "function", function: { name: "pick", parameters: { type: "object", properties: { n: { enum: [1, 2, 3] } }, required: ["n"] } } }];
+  const s = await c.chat.stream({
+    messages: ask("Pick a number."), max_tokens: 40, temperature: 0, tools, tool_choice: "required", parallel_tool_calls: false,
+  });
+  const frags = [];
+  for await (const ev of s) if (ev.type === "delta") frags.push(...(ev.tool_calls ?? []));
+  const whole = await s.final();
+  assert.equal(whole.finishReason, "tool_calls");
+  assert.equal(whole.toolCalls.length, 1);
+  assert.equal(whole.toolCalls[0].function.name, "pick");
+  assert.equal(frags[0].id, whole.toolCalls[0].id);
+  assert.equal(frags.map((f) => f.function.arguments).join(""), whole.toolCalls[0].function.arguments);
+  assert.ok([1, 2, 3].includes(JSON.parse(whole.toolCalls[0].function.arguments).n));
+  await assert.rejects(
+    c.chat.create({ messages: ask("x"), max_tokens: 4, response_format: { type: "regex", regex: "a(b" } }),
+    (e) => e instanceof BadRequestError && e.code === "invalid_request" && /invalid regex/.test(e.message),
+  );
+});

@@ -6,7 +6,8 @@ streams of typed events, `create(...)` the whole result."""
 
 from tidewire_client._async import AsyncClient, AsyncStream
 from tidewire_client._errors import (APIConnectionError, APIError, APITimeoutError,
-                                     AuthenticationError, BadRequestError, InternalServerError,
+                                     AuthenticationError, BadRequestError,
+                                     IncompleteOutputError, InternalServerError,
                                      NotFoundError, OverloadedError, RateLimitError,
                                      SlowConsumerError, TidewireError)
 from tidewire_client._sync import Client, Stream
@@ -15,6 +16,7 @@ from tidewire_client._types import (CachedTokens, Completion, DeltaEvent, DoneEv
 
 __all__ = ["APIConnectionError", "APIError", "APITimeoutError", "AsyncClient", "AsyncStream",
            "AuthenticationError", "BadRequestError", "CachedTokens", "Client", "Completion",
-           "DeltaEvent", "DoneEvent", "Event", "InternalServerError", "NotFoundError",
+           "DeltaEvent", "DoneEvent", "Event", "IncompleteOutputError", "InternalServerError",
+           "NotFoundError",
            "OverloadedError", "QueuedEvent", "RateLimitError", "SlowConsumerError",
            "StartEvent", "Stream", "TidewireError", "Timings", "Usage", "WarmResult"]

@@ -16,9 +16,10 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from tidewire_client._errors import (APIConnectionError, APITimeoutError, AuthenticationError,
                                      BadRequestError, TidewireError, error_from_frame)
 from tidewire_client._types import (CachedTokens, Completion, DeltaEvent, DoneEvent, Event,
-                                    StartEvent, WarmResult, parse_event)
+                                    StartEvent, WarmResult, parse_event, parse_output,
+                                    wire_params)
 
-Messages = Sequence[Dict[str, str]]
+Messages = Sequence[Dict[str, Any]]
 PROTOCOLS = {"msgpack": "tidewire.v1.msgpack", "json": "tidewire.v1.json"}
 _END = object()  # queue item: the stream was abandoned or the client closed
 
@@ -96,7 +97,8 @@ class AsyncStream:
         return Completion(self.id, ["".join(self._texts.get(i, [])) for i in range(n)],
                           [self._tokens.get(i, []) for i in range(n)], self.done.status,
                           self.done.finish_reason, self.done.usage, self.done.timings,
-                          self.start.cached_tokens if self.start else CachedTokens())
+                          self.start.cached_tokens if self.start else CachedTokens(),
+                          self.done.tool_calls, self.done.content)
 
     async def cancel(self) -> None:
         """Ask the server to stop; the stream then ends with a `cancelled` DoneEvent."""
@@ -131,6 +133,16 @@ class AsyncChat(_Namespace):
     async def create(self, messages: Messages, **params: Any) -> Completion:
         """A chat completion, whole."""
         return await (await self.stream(messages, **params)).final()
+
+    async def parse(self, messages: Messages, *, response_format: Any,
+                    **params: Any) -> Completion:
+        """create() constrained to `response_format` (a Pydantic model class, or a
+        response_format object such as {"type": "json_schema", "json_schema": {...}}),
+        with the output read into `.parsed`: the model's instance, or the JSON value.
+        Raises IncompleteOutputError when the output was cut off."""
+        c = await self.create(messages, response_format=response_format, **params)
+        c.parsed = parse_output(response_format, c)
+        return c
 
 
 class AsyncCompletions(_Namespace):
@@ -347,7 +359,8 @@ class AsyncClient:
         stream = AsyncStream(self, rid)
         self._streams[rid] = stream
         try:
-            await self._send({"type": "generate", "id": rid, **body, "params": params})
+            await self._send({"type": "generate", "id": rid, **body,
+                              "params": wire_params(params)})
         except TidewireError:
             self._streams.pop(rid, None)
             raise

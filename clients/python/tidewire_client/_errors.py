@@ -81,3 +81,12 @@ def error_from_frame(frame: dict) -> APIError:
     cls = _BY_CODE.get(code, APIError)
     return cls(code, str(frame.get("message", "")), bool(frame.get("retryable", False)),
                frame.get("id"))
+
+
+class IncompleteOutputError(TidewireError):
+    """`parse()` got an output that did not end by itself (e.g. cut off at max_tokens),
+    so it is not a whole value; `completion` holds what came."""
+
+    def __init__(self, message: str, completion: object) -> None:
+        super().__init__(message)
+        self.completion = completion

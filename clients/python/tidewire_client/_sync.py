@@ -7,7 +7,7 @@ import threading
 from typing import Any, Coroutine, Iterator, List, Optional, TypeVar, Union
 
 from tidewire_client._async import AsyncClient, AsyncStream, Messages
-from tidewire_client._types import Completion, DeltaEvent, Event, WarmResult
+from tidewire_client._types import Completion, DeltaEvent, Event, WarmResult, parse_output
 
 T = TypeVar("T")
 
@@ -70,6 +70,13 @@ class _Chat:
 
     def create(self, messages: Messages, **params: Any) -> Completion:
         return self.stream(messages, **params).final()
+
+    def parse(self, messages: Messages, *, response_format: Any, **params: Any) -> Completion:
+        """create() constrained to `response_format`, read into `.parsed` (see
+        AsyncClient.chat.parse)."""
+        c = self.create(messages, response_format=response_format, **params)
+        c.parsed = parse_output(response_format, c)
+        return c
 
 
 class _Completions:

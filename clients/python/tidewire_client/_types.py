@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
@@ -79,6 +80,9 @@ class DeltaEvent:
     token_ids: List[int]
     index: int = 0
     logprobs: Optional[List[Dict[str, Any]]] = None
+    # with tools: tool-call deltas (OpenAI's shape: index, then id/type/name once and
+    # argument fragments) that this delta's text completed
+    tool_calls: Optional[List[Dict[str, Any]]] = None
     type: str = "delta"
 
 
@@ -92,6 +96,10 @@ class DoneEvent:
     usage: Usage
     timings: Timings
     finish_reasons: Optional[List[str]] = None
+    # with tools: every call, whole ({id, type, function: {name, arguments}}), and the
+    # text outside them (None when there is none)
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+    content: Any = None
     type: str = "done"
 
 
@@ -103,7 +111,7 @@ def parse_event(frame: Dict[str, Any]) -> Event:
     if kind == "delta":
         return DeltaEvent(frame["id"], int(frame["seq"]), frame.get("text", ""),
                           list(frame.get("token_ids", [])), int(frame.get("index", 0)),
-                          frame.get("logprobs"))
+                          frame.get("logprobs"), frame.get("tool_calls"))
     if kind == "start":
         return StartEvent(frame["id"], int(frame.get("prompt_tokens", 0)),
                           CachedTokens.parse(frame.get("cached_tokens")),
@@ -111,7 +119,8 @@ def parse_event(frame: Dict[str, Any]) -> Event:
     if kind == "done":
         return DoneEvent(frame["id"], frame["status"], frame["finish_reason"],
                          Usage.parse(frame.get("usage", {})),
-                         Timings.parse(frame.get("timings", {})), frame.get("finish_reasons"))
+                         Timings.parse(frame.get("timings", {})), frame.get("finish_reasons"),
+                         frame.get("tool_calls"), frame.get("content"))
     if kind == "queued":
         return QueuedEvent(frame["id"], int(frame.get("position", 0)))
     raise ValueError(f"not a stream event: {kind!r}")
@@ -129,11 +138,43 @@ class Completion:
     usage: Usage
     timings: Timings
     cached_tokens: CachedTokens = field(default_factory=CachedTokens)
+    tool_calls: Optional[List[Dict[str, Any]]] = None  # with tools: the calls, whole
+    content: Any = None  # with tools: the text outside the calls
+    parsed: Any = None  # chat.parse(): the output as the response_format's type
 
     @property
     def text(self) -> str:
         """The first (usually the only) sample's text."""
         return self.texts[0] if self.texts else ""
+
+
+def wire_params(params: Dict[str, Any]) -> Dict[str, Any]:
+    """Sampling parameters as the protocol takes them: a Pydantic model class given as
+    response_format becomes its JSON schema (no Pydantic import here: any class with
+    `model_json_schema` will do)."""
+    fmt = params.get("response_format")
+    if isinstance(fmt, type) and hasattr(fmt, "model_json_schema"):
+        schema = fmt.model_json_schema()  # type: ignore[attr-defined]
+        return {**params, "response_format": {
+            "type": "json_schema", "json_schema": {"name": fmt.__name__, "schema": schema}}}
+    return params
+
+
+def parse_output(response_format: Any, completion: Completion) -> Any:
+    """The first sample's text read as the response_format asks: a Pydantic model's
+    instance (validated), or the JSON value of a json_schema / json_object format."""
+    from tidewire_client._errors import IncompleteOutputError
+
+    if completion.finish_reason != "stop":
+        raise IncompleteOutputError(
+            f"the output ended with finish_reason {completion.finish_reason!r} before it was "
+            "complete (raise max_tokens?)", completion)
+    if isinstance(response_format, type) and hasattr(response_format, "model_validate_json"):
+        return response_format.model_validate_json(completion.text)  # type: ignore[attr-defined]
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind in ("json_schema", "json_object"):
+        return json.loads(completion.text)
+    return completion.text
 
 
 @dataclass(frozen=True)
