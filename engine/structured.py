@@ -119,6 +119,25 @@ class ResponseFormat:
         return {"type": self.kind, self.kind: self.spec}
 
 
+def from_structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's `structured_outputs` request field ({json | json_object | regex | choice |
+    grammar}: exactly one) as the response_format it stands for."""
+    kinds = ("json", "json_object", "regex", "choice", "grammar")
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs must be an object")
+    extra = sorted(set(value) - set(kinds))
+    given = [k for k in kinds if value.get(k) not in (None, False)]
+    if extra or len(given) != 1:
+        raise ValueError(f"structured_outputs takes exactly one of {', '.join(kinds)}"
+                         + (f" (unknown: {', '.join(extra)})" if extra else ""))
+    kind = given[0]
+    if kind == "json":
+        return {"type": "json_schema", "json_schema": {"schema": value["json"]}}
+    if kind == "json_object":
+        return {"type": "json_object"}
+    return {"type": kind, kind: value[kind]}
+
+
 def _bounded(text: str) -> str:
     if len(text) > MAX_SPEC_CHARS:
         raise ValueError(f"response_format is over {MAX_SPEC_CHARS} characters")

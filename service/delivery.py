@@ -95,13 +95,10 @@ def step_frames(live: Live, log_tokens: Callable[[bool, float, int], None]
             index = step.index
             c = out.outputs[index]
             live.marks.append((index, len(c.token_ids), c.text_len))
-            frame = delta_frame(live.rid, live.seq, index, len(out.outputs), new, text,
-                                c.logprobs if live.logprobs else None)
-            if live.tools is not None:
-                calls = _tool_call_deltas(live, index, text)
-                if calls:
-                    frame["tool_calls"] = calls
-            frames.append(frame)
+            calls = _tool_call_deltas(live, index, text) if live.tools is not None else None
+            frames.append(delta_frame(live.rid, live.seq, index, len(out.outputs), new, text,
+                                      c.logprobs if live.logprobs else None,
+                                      tool_calls=calls))
     return frames
 
 
@@ -150,13 +147,17 @@ def start_frame(rid: str, out: RequestOutput, queue_time: float) -> dict[str, An
 
 
 def delta_frame(rid: str, seq: int, index: int, n: int, token_ids: list[int], text: str,
-                logprobs: list | None, start: int | None = None) -> dict[str, Any]:
+                logprobs: list | None, start: int | None = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A delta frame; `logprobs` is the sample's cumulative list, whose entries for
-    `token_ids` start at `start` (default: they are its tail)."""
+    `token_ids` start at `start` (default: they are its tail). `tool_calls`: the
+    tool-call deltas the text completed (none: no field)."""
     d: dict[str, Any] = {"type": "delta", "id": rid, "seq": seq, "text": text,
                          "token_ids": token_ids}
     if n > 1:
         d["index"] = index
+    if tool_calls:
+        d["tool_calls"] = tool_calls
     if logprobs is not None:
         at = len(logprobs) - len(token_ids) if start is None else start
         d["logprobs"] = [{"token_id": x.token_id, "logprob": x.logprob,
@@ -182,7 +183,8 @@ def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str
     if tools is not None and last is not None:
         # the complete calls (ids as their deltas had them) and the text around them
         # (a replay after a resume resends text, not tool-call deltas: this is the record)
-        done["tool_calls"], done["content"] = [], []
+        calls_out: list[dict[str, Any]] = []
+        content: list[str | None] = []
         for i, o in enumerate(last.outputs):
             stream = (calls or {}).get(i)
             if stream is None:
@@ -191,12 +193,12 @@ def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str
             stream.finish()
             msg = stream.message()
             for call in msg.get("tool_calls", []):
-                done["tool_calls"].append({**call, "index": i} if len(last.outputs) > 1 else call)
-            done["content"].append(msg["content"])
+                calls_out.append({**call, "index": i} if len(last.outputs) > 1 else call)
+            content.append(msg["content"])
             if stream.found_calls and reasons[i] == "stop":
                 reasons[i] = "tool_calls"
-        if len(last.outputs) == 1:
-            done["content"] = done["content"][0]
+        done["tool_calls"] = calls_out
+        done["content"] = content[0] if len(content) == 1 else content
         done["finish_reason"] = reasons[0] if len(reasons) == 1 else done["finish_reason"]
     if last and len(last.outputs) > 1:
         done["finish_reasons"] = reasons

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine import SamplingParams
+from engine.structured import from_structured_outputs
 from engine.outputs import CompletionOutput, RequestOutput
 from service.gateway import Admission, Gateway, Principal
 from service.protocol import ProtocolError
@@ -90,31 +91,15 @@ def sampling_params(body: dict[str, Any], chat: bool,
         if body.get("response_format") is not None:
             raise ProtocolError("invalid_request",
                                 "give response_format or structured_outputs, not both")
-        kw["response_format"] = structured_outputs(body["structured_outputs"])
+        try:
+            kw["response_format"] = from_structured_outputs(body["structured_outputs"])
+        except ValueError as e:
+            raise ProtocolError("invalid_request", str(e)) from None
     try:
         merged: dict[str, Any] = {**(defaults or {}), **kw}
         return SamplingParams(**merged)
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e)) from None
-
-
-def structured_outputs(value: Any) -> dict[str, Any]:
-    """vLLM's `structured_outputs` extra ({json | json_object | regex | choice |
-    grammar}: exactly one) as the response_format it stands for."""
-    kinds = ("json", "json_object", "regex", "choice", "grammar")
-    if not isinstance(value, dict):
-        raise ProtocolError("invalid_request", "structured_outputs must be an object")
-    extra = sorted(set(value) - set(kinds))
-    given = [k for k in kinds if value.get(k) not in (None, False)]
-    if extra or len(given) != 1:
-        raise ProtocolError("invalid_request", "structured_outputs takes exactly one of "
-                            f"{', '.join(kinds)}" + (f" (unknown: {', '.join(extra)})" if extra else ""))
-    kind = given[0]
-    if kind == "json":
-        return {"type": "json_schema", "json_schema": {"schema": value["json"]}}
-    if kind == "json_object":
-        return {"type": "json_object"}
-    return {"type": kind, kind: value[kind]}
 
 
 async def _body(request: Request) -> dict[str, Any]:

@@ -292,3 +292,67 @@ def test_failed_compile_ends_the_request_with_an_error(llm: LLM) -> None:
                 finished[out.request_id] = out.finish_reason
     assert finished == {"bad": "error", "ok": "length"}
     assert bad.status is RequestStatus.FINISHED_ERROR
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory: pytest.TempPathFactory, smollm2_dir):
+    """A tiny random Llama over SmolLM2's tokenizer (its 49k vocabulary): fast enough
+    for the Triton interpreter."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-tok"), "llama", 5, vocab_size=49152)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", [
+    "cpu",
+    pytest.param("triton-interpret", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="a GPU is present: run cuda there")),
+])
+def test_constraints_on_each_backend(tiny_with_tokenizer, backend: str) -> None:
+    """The same constrained greedy and seeded outputs whatever the attention backend
+    (the Triton one replays decode graphs, whose argmax fast path a constraint turns
+    off); each satisfies its constraint."""
+    fmts = [{"type": "regex", "regex": r"[a-c]{3}-[0-9]{2}"},
+            {"type": "choice", "choice": ["north", "south", "east"]},
+            _fmt({"type": "object", "properties": {"v": {"type": "integer", "maximum": 99}},
+                  "required": ["v"]})]
+    params = [SamplingParams(max_tokens=24, temperature=t, seed=1, response_format=f)
+              for f in fmts for t in (0.0, 1.0)]
+    got = LLM(str(tiny_with_tokenizer), dtype="float32", attention_backend=backend).generate(
+        ["a b c"] * len(params), params)
+    ref = LLM(str(tiny_with_tokenizer), dtype="float32", enforce_eager=True).generate(
+        ["a b c"] * len(params), params)
+    for g, r in zip(got, ref):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+    texts = [o.outputs[0].text for o in got]
+    assert all(re.fullmatch(r"[a-c]{3}-[0-9]{2}", t) for t in texts[:2])
+    assert all(t in ("north", "south", "east") for t in texts[2:4])
+    for o in got[4:]:
+        if o.outputs[0].finish_reason == "stop":
+            assert json.loads(o.outputs[0].text)["v"] <= 99
+
+
+@pytest.mark.slow
+def test_a_compile_past_the_timeout_is_cut_off(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    gates = llm.engine.grammars
+    assert gates is not None
+    release = threading.Event()
+    compile_now = gates._compile
+
+    def slow(fmt: ResponseFormat) -> object:
+        release.wait(30)
+        return compile_now(fmt)
+
+    monkeypatch.setattr(gates, "_compile", slow)
+    monkeypatch.setattr(gates, "timeout", 0.05)
+    fmt = ResponseFormat.parse({"type": "regex", "regex": "slow[0-9]+"})
+    with pytest.raises(GrammarError, match=r"took over 0.05s to compile"):
+        llm.generate("x", SamplingParams(max_tokens=4, response_format=fmt))
+    assert not llm.engine.has_unfinished()
+    release.set()
+    assert gates.submit(fmt).result(10) is not None  # it finished meanwhile, and is cached

@@ -137,7 +137,7 @@ class AsyncChat(_Namespace):
     async def parse(self, messages: Messages, *, response_format: Any,
                     **params: Any) -> Completion:
         """create() constrained to `response_format` (a Pydantic model class, or a
-        response_format object such as {"type": "json_schema", "json_schema": {...}}),
+        response_format object of type json_schema or json_object),
         with the output read into `.parsed`: the model's instance, or the JSON value.
         Raises IncompleteOutputError when the output was cut off."""
         c = await self.create(messages, response_format=response_format, **params)
