@@ -157,7 +157,51 @@ def _schema_text(schema: Any) -> str:
             raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError("a JSON schema must be an object")
+    check_schema(schema)
     return _canonical(schema)
+
+
+# Keywords xgrammar accepts but does not enforce (checked: an output that breaks them
+# passes its matcher). A schema using one is refused rather than silently loosened.
+UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "dependentRequired",
+              "dependentSchemas", "dependencies")
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "propertyNames",
+              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+def check_schema(schema: Any, where: str = "#") -> None:
+    """Raise ValueError for a part of the schema that the constraint would not enforce:
+    an UNENFORCED keyword, allOf over several schemas, or a $ref outside the schema."""
+    if not isinstance(schema, dict):
+        return
+    for key in UNENFORCED:
+        if key in schema:
+            raise ValueError(f'invalid JSON schema: "{key}" (at {where}) is not supported: '
+                             "the output could not be held to it")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise ValueError(f'invalid JSON schema: "allOf" over several schemas (at {where}) is '
+                         "not supported: merge them into one")
+    ref = schema.get("$ref")
+    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
+        raise ValueError(f"invalid JSON schema: $ref {ref!r} (at {where}) is not supported: "
+                         "only references inside the schema (#/...)")
+    for key in _SUBSCHEMA:
+        check_schema(schema.get(key), f"{where}/{key}")
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                check_schema(s, f"{where}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                check_schema(s, f"{where}/{key}/{i}")
+    if isinstance(schema.get("items"), list):  # the old tuple form
+        for i, s in enumerate(schema["items"]):
+            check_schema(s, f"{where}/items/{i}")
 
 
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[12:00:00] /path/file.cc:83: "

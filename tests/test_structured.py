@@ -77,6 +77,13 @@ def _fmt(schema: dict) -> dict:
 
 # -- parsing the constraint ---------------------------------------------------------------
 
+def test_property_names_are_not_keywords() -> None:
+    """A property called "not" (or "if") is a name, not the keyword."""
+    fmt = _fmt({"type": "object", "properties": {"not": {"type": "integer"}, "if": {}},
+                "$defs": {"then": {"type": "string"}}})
+    assert ResponseFormat.parse(fmt) is not None
+
+
 def test_response_format_shapes() -> None:
     assert ResponseFormat.parse(None) is None
     assert ResponseFormat.parse({"type": "text"}) is None
@@ -104,6 +111,13 @@ def test_response_format_shapes() -> None:
     ({"type": "choice", "choice": []}, "choice must be a list"),
     ({"type": "choice", "choice": ["a", 3]}, "choice must be a list"),
     ({"type": "json_object", "extra": 1}, "unknown response_format field"),
+    # keywords the grammar would not enforce are refused, not silently dropped
+    (_fmt({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}),
+     r'"not" \(at #/properties/x\) is not supported'),
+    (_fmt({"type": "array", "uniqueItems": True}), '"uniqueItems"'),
+    (_fmt({"anyOf": [{"if": {}, "then": {}}]}), r'"if" \(at #/anyOf/0\)'),
+    (_fmt({"allOf": [{"type": "integer"}, {"minimum": 3}]}), '"allOf" over several'),
+    (_fmt({"$ref": "http://example.com/s.json"}), "only references inside the schema"),
 ])
 def test_malformed_response_formats(bad: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
