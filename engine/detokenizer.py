@@ -97,6 +97,13 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
+    def _bytes(self, ids: list[int]) -> bytes:
+        """The tokens' bytes; an id the tokenizer does not have (a model's lm_head can be
+        padded past its vocabulary) has none."""
+        t = self.table
+        assert t is not None
+        return b"".join([t[i] if i < len(t) else b"" for i in ids])
+
     def push(self, new_ids: list[int], final: bool = False) -> str:
         """Add tokens; return the text that became safe to show. After a stop string
         is found (`stop_hit`), the text ends just before it and nothing more comes."""
@@ -104,7 +111,11 @@ class IncrementalDetokenizer:
             return ""
         if self.table is not None and not self.stop:  # the common case, per token per step
             t = self.table
-            piece = self._utf8.decode(b"".join([t[i] for i in new_ids]), final)  # type: ignore[union-attr]
+            try:
+                raw = b"".join([t[i] for i in new_ids])
+            except IndexError:  # an id past the tokenizer's vocabulary (a padded lm_head)
+                raw = self._bytes(new_ids)
+            piece = self._utf8.decode(raw, final)  # type: ignore[union-attr]
             if piece:
                 self._pieces.append(piece)
             return piece
@@ -123,9 +134,8 @@ class IncrementalDetokenizer:
     def _decode_bytes(self, new_ids: list[int], final: bool) -> None:
         """An incomplete UTF-8 sequence at the end stays in the decoder until the bytes
         that complete it arrive (or, at the end, comes out as U+FFFD, as decode does)."""
-        assert self.table is not None and self._utf8 is not None
-        t = self.table
-        self.text += self._utf8.decode(b"".join([t[i] for i in new_ids]), final)
+        assert self._utf8 is not None
+        self.text += self._utf8.decode(self._bytes(new_ids), final)
 
     def _decode_new(self) -> None:
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])

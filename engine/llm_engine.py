@@ -435,10 +435,12 @@ class LLMEngine:
         """Feed a constrained sample's new token to its matcher; one that reached the
         constraint's end (accepted a stop token) finishes the sample."""
         m = r.matcher
-        if not m.accept(r.output_token_ids[-1]):  # the mask allowed it: cannot happen
+        if not m.accept(r.output_token_ids[-1]):  # only when the constraint allowed nothing
             log.error("request %s: token %d broke its constraint", r.parent_id,
                       r.output_token_ids[-1])
-            if not r.status.finished:
+            if r.status.finished:  # (its stop token ended it: the error is what happened)
+                r.status = RequestStatus.FINISHED_ERROR
+            else:
                 self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
         elif m.terminated and not r.status.finished:  # ignore_eos: the constraint ends it
             self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED)

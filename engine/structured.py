@@ -302,12 +302,13 @@ class GrammarCompiler:
 class Matcher:
     """One sample's position in its constraint's automaton."""
 
-    __slots__ = ("_m",)
+    __slots__ = ("_m", "stop_token")
 
     def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
         import xgrammar as xgr
 
         self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        self.stop_token = stop_token_ids[0] if stop_token_ids else 0
 
     def fill(self, bitmask: Any, row: int) -> None:
         """Row `row` of the [rows, words] int32 bitmask: the tokens allowed next."""
@@ -340,3 +341,12 @@ def apply_masks(logits: Any, matchers: list[Matcher | None]) -> None:
         cpu_ops.apply_token_bitmask(logits, bitmask, rows)
     else:
         reference.apply_token_bitmask(logits, bitmask, rows)
+    # A constraint that allows no token at all here (an unsatisfiable schema, say) would
+    # leave nothing to sample: its row gets the stop token instead, which its matcher
+    # then refuses, and the engine ends the request with an error.
+    import torch
+
+    idx = torch.tensor(rows)
+    dead = idx[~torch.isfinite(logits[idx]).any(dim=-1)].tolist()
+    for i in dead:
+        logits[i, matchers[i].stop_token] = 0.0  # type: ignore[union-attr]  # rows have matchers

@@ -24,7 +24,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocketClose
 
 from engine import AsyncEngine
-from service import openai_api, vllm_api
+from service import openai_api, openapi, vllm_api
 from service.config import ServiceConfig
 from service.gateway import Gateway
 from service.metrics import Metrics
@@ -249,6 +249,7 @@ def create_app(config: ServiceConfig) -> RawSend:
         Route("/tokenize", vllm_api.tokenize, methods=["POST"]),
         Route("/detokenize", vllm_api.detokenize, methods=["POST"]),
         Route("/version", vllm_api.version),
+        Route("/openapi.json", openapi.openapi),
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/warm", openai_api.warm, methods=["POST"]),

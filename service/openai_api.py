@@ -150,6 +150,27 @@ async def model(request: Request) -> Response:
     return JSONResponse(model_card(gw))
 
 
+def _check_types(body: dict[str, Any], chat: bool) -> None:
+    """The request fields the handlers read directly (not through SamplingParams): the
+    right JSON type or null."""
+    def kind(name: str, types: tuple[type, ...], what: str) -> None:
+        value = body.get(name)
+        if value is not None and (not isinstance(value, types) or (
+                bool not in types and isinstance(value, bool))):
+            raise ProtocolError("invalid_request", f"{name} must be {what}")
+
+    kind("stream", (bool,), "a boolean")
+    kind("stream_options", (dict,), "an object")
+    kind("user", (str,), "a string")
+    kind("model", (str,), "a string")
+    if chat:
+        kind("logprobs", (bool,), "a boolean")
+        kind("top_logprobs", (int,), "an integer")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts.get("include_usage", False), bool):
+        raise ProtocolError("invalid_request", "stream_options.include_usage must be a boolean")
+
+
 def _served(gw: Gateway, body: dict[str, Any]) -> None:
     """A request that names a model must name the served one (404 model_not_found)."""
     model = body.get("model", gw.config.model_name)
@@ -162,6 +183,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
         body = await _body(request)
+        _check_types(body, chat)
         _served(gw, body)
         tools = _tools(body, chat)
         params = sampling_params(body, chat, gw.sampling_defaults)

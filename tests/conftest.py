@@ -72,6 +72,18 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and chat template (its 49k
+    vocabulary): the whole service path (chat templates, structured outputs, tools)
+    at a fraction of the real model's cost."""
+    from transformers import AutoTokenizer
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny-chat"), "llama", 5, vocab_size=49152)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
+    return path
+
+
 _HF_CACHE: dict[str, object] = {}
 _HF_OUTPUTS: dict[tuple, list[int]] = {}
 

@@ -161,3 +161,12 @@ async def test_streamed_deltas_equal_the_final_text(smollm2_dir) -> None:
             assert outs[-1].finish_reason == "stop" and "\ufffd" not in text
     finally:
         await engine.shutdown()
+
+
+def test_an_id_past_the_tokenizer_has_no_text(tok, tables) -> None:
+    """A model's lm_head can be wider than its tokenizer (padded vocabularies): such an
+    id decodes to nothing instead of failing the step (found by fuzzing the API)."""
+    hi = tok.encode("Hi", add_special_tokens=False)
+    for stop in ((), ("zz",)):
+        d = IncrementalDetokenizer(tok, [], True, stop, tables[True])
+        assert d.push(hi) + d.push([len(tables[True]) + 7]) + d.push(hi, final=True) == "HiHi"

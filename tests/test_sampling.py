@@ -309,3 +309,23 @@ def test_argmax_rows_takes_the_first_of_equal_maxima() -> None:
     assert argmax_rows(x).tolist() == [1, 0, 2] == x.argmax(dim=-1).tolist()
     big = torch.randn(64, 49152, generator=torch.Generator().manual_seed(0))
     assert torch.equal(argmax_rows(big), big.argmax(dim=-1))
+
+
+def test_non_finite_logits_and_top_k_past_the_vocabulary_still_sample() -> None:
+    """Found by fuzzing the HTTP API, each once killed the engine thread: a
+    repetition_penalty near 0 divides logits into +inf (softmax: NaN, and the draw fell
+    past the vocabulary); a top_k larger than the vocabulary made an empty candidate
+    set. Every drawn token is a real id, and an +inf logit wins."""
+    vocab = 50
+    s = Sampler(seed=0)
+    logits = torch.randn(3, vocab)
+    logits[0, 7] = float("inf")
+    logits[1] = float("nan")
+    logits[1, 4] = 1.0
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=1.0, top_k=10**9, seed=3)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    out = s(logits.clone(), _batch(params, gens))
+    assert out.tokens[0] == 7 and out.tokens[1] == 4 and 0 <= out.tokens[2] < vocab
+    probs = torch.zeros(2, vocab)  # no mass at all: still an id in range
+    assert sampler_mod.sample_from(probs, torch.tensor([0.5, 0.99])).max() < vocab

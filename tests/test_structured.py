@@ -311,26 +311,13 @@ def test_failed_compile_ends_the_request_with_an_error(llm: LLM) -> None:
     assert bad.status is RequestStatus.FINISHED_ERROR
 
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory: pytest.TempPathFactory, smollm2_dir):
-    """A tiny random Llama over SmolLM2's tokenizer (its 49k vocabulary): fast enough
-    for the Triton interpreter."""
-    from transformers import AutoTokenizer
-
-    from tests.conftest import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny-tok"), "llama", 5, vocab_size=49152)
-    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", [
     "cpu",
     pytest.param("triton-interpret", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="a GPU is present: run cuda there")),
 ])
-def test_constraints_on_each_backend(tiny_with_tokenizer, backend: str) -> None:
+def test_constraints_on_each_backend(tiny_chat_model, backend: str) -> None:
     """The same constrained greedy and seeded outputs whatever the attention backend
     (the Triton one replays decode graphs, whose argmax fast path a constraint turns
     off); each satisfies its constraint."""
@@ -340,9 +327,9 @@ def test_constraints_on_each_backend(tiny_with_tokenizer, backend: str) -> None:
                   "required": ["v"]})]
     params = [SamplingParams(max_tokens=24, temperature=t, seed=1, response_format=f)
               for f in fmts for t in (0.0, 1.0)]
-    got = LLM(str(tiny_with_tokenizer), dtype="float32", attention_backend=backend).generate(
+    got = LLM(str(tiny_chat_model), dtype="float32", attention_backend=backend).generate(
         ["a b c"] * len(params), params)
-    ref = LLM(str(tiny_with_tokenizer), dtype="float32", enforce_eager=True).generate(
+    ref = LLM(str(tiny_chat_model), dtype="float32", enforce_eager=True).generate(
         ["a b c"] * len(params), params)
     for g, r in zip(got, ref):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
@@ -373,3 +360,38 @@ def test_a_compile_past_the_timeout_is_cut_off(llm: LLM, monkeypatch: pytest.Mon
     assert not llm.engine.has_unfinished()
     release.set()
     assert gates.submit(fmt).result(10) is not None  # it finished meanwhile, and is cached
+
+
+@pytest.mark.slow
+def test_a_constraint_that_allows_nothing_ends_with_an_error(llm: LLM,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Were a constraint ever to allow no token at all, its row would have nothing to
+    sample: it gets the stop token, which the matcher refuses, and the request ends
+    with "error" while the others go on."""
+    from engine import structured
+
+    fill = structured.Matcher.fill
+
+    def none_allowed(self, bitmask, row: int) -> None:  # noqa: ANN001 - a torch tensor
+        fill(self, bitmask, row)
+        if self is doomed[0]:
+            bitmask[row].zero_()
+
+    doomed: list = [None]
+    monkeypatch.setattr(structured.Matcher, "fill", none_allowed)
+    eng = llm.engine
+    choice = {"type": "choice", "choice": ["alpha", "beta"]}
+    bad = eng.make_request([1, 2, 3], SamplingParams(max_tokens=4, temperature=1.0,
+                                                     response_format=choice), "bad")
+    ok = eng.make_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.0,
+                                                    response_format=choice), "ok")
+    eng.compile_format(bad.params.response_format)
+    eng.add(bad)
+    eng.add(ok)
+    doomed[0] = bad.matcher
+    finished = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert finished == {"bad": "error", "ok": "stop"}

@@ -1,0 +1,253 @@
+"""`GET /openapi.json`: an OpenAPI 3.1 description of the HTTP API (the OpenAI-compatible
+endpoints, the utility ones, health), what clients generate code from and what the
+test suite fuzzes the live server with (schemathesis, tests/test_openapi.py).
+
+The request schemas say what the server accepts: a field outside them is refused with
+400 (`additionalProperties: false`), as the handlers do. Ranges that depend on the
+model (the context window, the vocabulary) are not in the schema; the server answers
+400 for a value past them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from service.vllm_api import _version
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(lo: float, hi: float, lo_open: bool = False) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "number", "maximum": hi}
+    s["exclusiveMinimum" if lo_open else "minimum"] = lo
+    return _nullable(s)
+
+
+def _integer(lo: int, hi: int | None = None) -> dict[str, Any]:
+    s: dict[str, Any] = {"type": "integer", "minimum": lo}
+    if hi is not None:
+        s["maximum"] = hi
+    return _nullable(s)
+
+
+_STOP = _nullable({"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "items": {"type": "string", "minLength": 1},
+                              "maxItems": 16}]})
+
+# The sampling fields both completion endpoints take (docs/protocol.md has the ranges).
+SAMPLING: dict[str, Any] = {
+    "max_tokens": _integer(1), "max_completion_tokens": _integer(1),
+    "temperature": _number(0, 100), "top_p": _number(0, 1, lo_open=True),
+    "n": _integer(1, 16), "stop": _STOP,
+    "seed": _integer(-(2**63), 2**63 - 1),
+    "presence_penalty": _number(-2, 2), "frequency_penalty": _number(-2, 2),
+    "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                             "additionalProperties": {"type": "number", "minimum": -100,
+                                                      "maximum": 100}}),
+    "top_k": _integer(0), "min_p": _number(0, 1),
+    "repetition_penalty": _number(0, 10, lo_open=True), "min_tokens": _integer(0),
+    "ignore_eos": _nullable({"type": "boolean"}),
+    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
+    "skip_special_tokens": _nullable({"type": "boolean"}),
+    "model": {"type": "string"}, "user": {"type": "string"},
+    "stream": _nullable({"type": "boolean"}),
+    "stream_options": _nullable({"type": "object",
+                                 "properties": {"include_usage": {"type": "boolean"}}}),
+    "response_format": _nullable({"$ref": "#/components/schemas/ResponseFormat"}),
+    "structured_outputs": _nullable({"type": "object"}),
+}
+
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,
+                     {"type": "array", "minItems": 1,
+                      "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}]}
+
+_FUNCTION = {"type": "object", "required": ["name"],
+             "properties": {"name": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+                            "description": {"type": "string"},
+                            "parameters": {"type": "object"}}}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]},
+                       "code": {"type": ["string", "null"]}}}}},
+    "ResponseFormat": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema", "regex", "choice", "grammar"]},
+        "json_schema": {"type": "object", "required": ["schema"],
+                        "properties": {"name": {"type": "string"}, "schema": {},
+                                       "strict": {"type": "boolean"},
+                                       "description": {"type": "string"}}},
+        "regex": {"type": "string"}, "grammar": {"type": "string"},
+        "choice": {"type": "array", "items": {"type": "string"}}}},
+    "Message": {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "null"},
+                              {"type": "array", "items": {"type": "object"}}]},
+        "tool_calls": {"type": "array", "items": {"$ref": "#/components/schemas/ToolCall"}},
+        "tool_call_id": {"type": "string"}, "name": {"type": "string"}}},
+    "ToolCall": {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"],
+                     "properties": {"name": {"type": "string"},
+                                    "arguments": {"type": "string"}}}}},
+    "Tool": {"type": "object", "required": ["type", "function"],
+             "properties": {"type": {"const": "function"}, "function": _FUNCTION}},
+    "ChatCompletionRequest": {
+        "type": "object", "required": ["messages"], "additionalProperties": False,
+        "properties": {
+            **SAMPLING,
+            "messages": {"type": "array", "minItems": 1,
+                         "items": {"$ref": "#/components/schemas/Message"}},
+            "logprobs": _nullable({"type": "boolean"}), "top_logprobs": _integer(0, 20),
+            "tools": _nullable({"type": "array", "minItems": 1, "maxItems": 128,
+                                "items": {"$ref": "#/components/schemas/Tool"}}),
+            "tool_choice": _nullable({"anyOf": [
+                {"enum": ["none", "auto", "required"]},
+                {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"const": "function"},
+                                "function": {"type": "object", "required": ["name"],
+                                             "properties": {"name": {"type": "string"}}}}}]}),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+        }},
+    "CompletionRequest": {
+        "type": "object", "required": ["prompt"], "additionalProperties": False,
+        "properties": {**SAMPLING, "prompt": _PROMPT, "echo": _nullable({"type": "boolean"}),
+                       "logprobs": _integer(0, 20)}},
+    "Usage": {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+              "properties": {"prompt_tokens": {"type": "integer"},
+                             "completion_tokens": {"type": "integer"},
+                             "total_tokens": {"type": "integer"},
+                             "prompt_tokens_details": {"type": "object"}}},
+    "ChatCompletion": {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "chat.completion"},
+            "created": {"type": "integer"}, "model": {"type": "string"},
+            "usage": {"$ref": "#/components/schemas/Usage"},
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "message", "finish_reason"],
+                "properties": {
+                    "index": {"type": "integer"},
+                    "finish_reason": {"enum": ["stop", "length", "tool_calls", "error", None]},
+                    "message": {"type": "object", "required": ["role", "content"],
+                                "properties": {"role": {"const": "assistant"},
+                                               "content": {"type": ["string", "null"]},
+                                               "tool_calls": {"type": "array", "items": {
+                                                   "$ref": "#/components/schemas/ToolCall"}}}},
+                    "logprobs": {"type": ["object", "null"]}}}}}},
+    "Completion": {
+        "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": "text_completion"},
+            "created": {"type": "integer"}, "model": {"type": "string"},
+            "usage": {"$ref": "#/components/schemas/Usage"},
+            "choices": {"type": "array", "items": {
+                "type": "object", "required": ["index", "text", "finish_reason"],
+                "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                               "finish_reason": {"enum": ["stop", "length", "error", None]},
+                               "logprobs": {"type": ["object", "null"]}}}}}},
+    "Model": {"type": "object", "required": ["id", "object", "owned_by"],
+              "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                             "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                             "max_model_len": {"type": "integer"},
+                             "sampling_defaults": {"type": "object"}}},
+    "WarmRequest": {"type": "object", "additionalProperties": False, "properties": {
+        "model": {"type": "string"},
+        "messages": {"type": "array", "minItems": 1,
+                     "items": {"$ref": "#/components/schemas/Message"}},
+        "prompt": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}},
+    "Warmed": {"type": "object", "required": ["prompt_tokens", "cached_tokens", "reused_tokens"],
+               "properties": {"prompt_tokens": {"type": "integer"},
+                              "cached_tokens": {"type": "integer"},
+                              "reused_tokens": {"type": "object"}}},
+}
+
+
+def _json(ref: str) -> dict[str, Any]:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    why = {400: "invalid request", 401: "missing or invalid API key", 404: "not found",
+           405: "method not allowed", 413: "body too large", 429: "over a limit",
+           500: "internal error", 503: "loading, or not ready"}
+    return {str(c): {"description": why[c], "content": _json("Error")} for c in codes}
+
+
+def _completion_op(summary: str, request: str, response: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {
+            "200": {"description": "the whole response, or server-sent events with stream",
+                    "content": {**_json(response), "text/event-stream": {"schema": {
+                        # each event's data: a chunk (with the choices' deltas, or the
+                        # usage), then the literal [DONE]
+                        "anyOf": [{"type": "object",
+                                   "required": ["id", "object", "created", "model", "choices"]},
+                                  {"const": "[DONE]"}]}}}},
+            **_errors(400, 401, 404, 413, 429, 500, 503)}}}
+
+
+def document(model: str | None = None) -> dict[str, Any]:
+    """The document; `model`, the served model's id, is the one `model` value that the
+    request bodies accept (another answers 404 model_not_found)."""
+    ok = {"description": "ok", "content": {"application/json": {"schema": {"type": "object"}}}}
+    schemas = SCHEMAS
+    if model is not None:
+        schemas = {k: v for k, v in SCHEMAS.items()}
+        for name in ("ChatCompletionRequest", "CompletionRequest", "WarmRequest"):
+            props = {**schemas[name]["properties"], "model": {"enum": [model]}}
+            schemas[name] = {**schemas[name], "properties": props}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Tidewire", "version": _version(),
+                 "description": "OpenAI-compatible HTTP API of a Tidewire server "
+                                "(docs/http.md); the WebSocket protocol is docs/protocol.md."},
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}, {}],  # a key where the server has --api-keys
+        "paths": {
+            "/v1/chat/completions": _completion_op("A chat completion", "ChatCompletionRequest",
+                                                   "ChatCompletion"),
+            "/v1/completions": _completion_op("A text completion", "CompletionRequest",
+                                              "Completion"),
+            "/v1/models": {"get": {"summary": "The served model", "responses": {
+                "200": {"description": "a list of one model", "content": {
+                    "application/json": {"schema": {
+                        "type": "object", "required": ["object", "data"],
+                        "properties": {"object": {"const": "list"}, "data": {
+                            "type": "array",
+                            "items": {"$ref": "#/components/schemas/Model"}}}}}}},
+                **_errors(401, 503)}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "One model", "parameters": [
+                    {"name": "model", "in": "path", "required": True,
+                     "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model", "content": _json("Model")},
+                              **_errors(401, 404, 503)}}},
+            "/v1/warm": {"post": {
+                "summary": "Prefill a prefix into the cache without generating",
+                "requestBody": {"required": True, "content": _json("WarmRequest")},
+                "responses": {"200": {"description": "what was cached",
+                                      "content": _json("Warmed")},
+                              **_errors(400, 401, 404, 413, 429, 500, 503)}}},
+            "/health": {"get": {"summary": "Liveness (docs/http.md)", "security": [{}],
+                                "responses": {"200": ok, "503": ok}}},
+            "/ready": {"get": {"summary": "Readiness (docs/http.md)", "security": [{}],
+                               "responses": {"200": ok, "503": ok}}},
+        },
+    }
+
+
+async def openapi(request: Request) -> JSONResponse:
+    gw = getattr(request.app.state, "gateway", None)
+    return JSONResponse(document(gw.config.model_name if gw is not None else None))
