@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint serve bench clean
+.PHONY: install system-deps test lint fuzz serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -42,6 +42,12 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 
 test: install
 	$(VPY) -m pytest -rs --durations=15
+
+# the fuzzers at full length: 10,000 socket frames (hypothesis, stateful), and 300
+# schemathesis examples per HTTP operation and mode (make test runs short forms)
+fuzz: install
+	TIDEWIRE_WS_FUZZ_FRAMES=10000 TIDEWIRE_FUZZ_EXAMPLES=300 \
+		$(VPY) -m pytest -rs -s tests/test_ws_fuzz.py tests/test_openapi.py
 
 # ruff over the Python trees, mypy over the public API packages (config: pyproject.toml)
 lint: install
