@@ -482,3 +482,16 @@ def test_warm_names_the_served_model_or_none(tiny_server) -> None:
     for extra in ({"model": model}, {}):
         status, _, body = http(url, "POST", {"prompt": [5, 6, 7, 8], **extra})
         assert status == 200 and json.loads(body)["prompt_tokens"] == 4
+
+
+def test_only_exact_api_keys_are_accepted(server) -> None:
+    """Keys are looked up by digest and compared in constant time: a prefix, an
+    extension, another case or an empty key of a valid one is refused; the key itself
+    (with the header's spacing) is accepted."""
+    for bad in ("key-", "key-ab", "KEY-A", "key-a.", "ey-a"):
+        with pytest.raises(openai.AuthenticationError):
+            client(server, bad).models.list()
+    assert http_get(server.url + "/v1/models", {"Authorization": "Bearer "})[0] == 401
+    assert client(server, "key-a").models.list().data[0].id == "smollm2-135m"
+    status, _ = http_get(server.url + "/v1/models", {"Authorization": "Bearer   key-b  "})
+    assert status == 200
