@@ -103,10 +103,26 @@ def sampling_params(body: dict[str, Any], chat: bool,
 
 
 async def _body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, read up to the limit on a socket message
+    (`--max-message-bytes`): a larger body is refused with 413 message_too_big before it
+    is read whole."""
+    limit = request.app.state.gateway.config.limits.max_message_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ProtocolError("message_too_big", f"the body ({declared} bytes) is over "
+                            f"{limit} bytes (--max-message-bytes)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError("message_too_big", f"the body is over {limit} bytes "
+                                "(--max-message-bytes)")
+        chunks.append(chunk)
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ProtocolError("invalid_request", "the body is not valid JSON") from None
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is one
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise ProtocolError("invalid_request", f"the body is not valid JSON ({reason})") from None
     if not isinstance(body, dict):
         raise ProtocolError("invalid_request", "the body must be a JSON object")
     return body

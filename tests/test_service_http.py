@@ -495,3 +495,40 @@ def test_only_exact_api_keys_are_accepted(server) -> None:
     assert client(server, "key-a").models.list().data[0].id == "smollm2-135m"
     status, _ = http_get(server.url + "/v1/models", {"Authorization": "Bearer   key-b  "})
     assert status == 200
+
+
+def test_bodies_over_the_message_limit_and_bad_json_are_refused(tiny_models) -> None:
+    """Every JSON endpoint reads at most --max-message-bytes: a larger body is 413
+    message_too_big, declared (Content-Length) or streamed (chunked), and nothing is
+    admitted; JSON nested too deeply is 400, not 500."""
+    import http.client
+
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)),
+                                               dtype="float32"),
+                           limits=Limits(max_message_bytes=4096))
+    with run_server(config) as s:
+        host, port = s.url.split("//")[1].split(":")
+        big = json.dumps({"prompt": "x" * 5000}).encode()
+
+        def post(path: str, body: bytes, chunked: bool = False) -> tuple[int, dict]:
+            conn = http.client.HTTPConnection(host, int(port), timeout=30)
+            headers = {"Content-Type": "application/json"}
+            if chunked:
+                conn.request("POST", path, body=iter([body[:2000], body[2000:]]),
+                             headers=headers, encode_chunked=True)
+            else:
+                conn.request("POST", path, body=body, headers=headers)
+            r = conn.getresponse()
+            out = r.status, json.loads(r.read())
+            conn.close()
+            return out
+
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/warm", "/tokenize"):
+            for chunked in (False, True):
+                status, err = post(path, big, chunked)
+                assert status == 413 and err["error"]["code"] == "message_too_big", (path, err)
+        status, err = post("/v1/completions", b"[" * 1500 + b"]" * 1500)
+        assert status == 400 and "nested too deeply" in err["error"]["message"]
+        assert post("/v1/completions", json.dumps({"prompt": [5, 6], "max_tokens": 2}).encode()
+                    )[0] == 200
+        assert not s.engine.has_unfinished()
