@@ -274,8 +274,12 @@ async def test_conversations_survive_reload_and_new_chat_starts_empty(server) ->
         assert await page.locator("#chats li").count() == 1
         assert "Say hello." in (await page.text_content("#chats li.active") or "")
         # ...and it is the model's history too: Regenerate replaces the restored answer
+        restored = await page.query_selector(".msg.assistant")
+        assert restored is not None
         await page.click("#regenerate")
-        await page.wait_for_selector(".msg.assistant[data-state='streaming']", timeout=30_000)
+        # (the new answer can finish before a check for its streaming state runs: what
+        # shows it is new is that the restored element is gone)
+        await restored.wait_for_element_state("hidden", timeout=30_000)
         await page.wait_for_selector(".msg.assistant[data-state='completed']", timeout=60_000)
         assert await page.locator(".msg").count() == 2
 
