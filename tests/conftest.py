@@ -84,6 +84,17 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, smollm2_dir) -> Pa
     return path
 
 
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_dir):
+    """The real app on the default model (its defaults), on a free port, per module."""
+    from engine import EngineConfig
+    from service.config import ServiceConfig
+    from tests.servers import run_server
+
+    with run_server(ServiceConfig(engine=EngineConfig(model="smollm2-135m"))) as s:
+        yield s
+
+
 _HF_CACHE: dict[str, object] = {}
 _HF_OUTPUTS: dict[tuple, list[int]] = {}
 

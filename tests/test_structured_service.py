@@ -12,9 +12,6 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from engine import EngineConfig
-from service.config import ServiceConfig
-from tests.servers import run_server
 from tests.test_service_ws import JSON, error_frame, gen, open_client, still_serves
 
 pytestmark = pytest.mark.slow
@@ -30,9 +27,8 @@ class City(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir):
-    with run_server(ServiceConfig(engine=EngineConfig(model="smollm2-135m"))) as s:
-        yield s
+def server(smollm2_server):
+    return smollm2_server
 
 
 def client(server) -> openai.OpenAI:

@@ -10,11 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine import EngineConfig
 from service import tools as tc
-from service.config import ServiceConfig
 from service.protocol import ProtocolError
-from tests.servers import run_server
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                             "unit": {"enum": ["c", "f"]}},
@@ -125,9 +122,8 @@ def test_history_with_calls_renders_as_text_for_a_template_without_tools() -> No
 # -- over HTTP ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir):
-    with run_server(ServiceConfig(engine=EngineConfig(model="smollm2-135m"))) as s:
-        yield s
+def server(smollm2_server):
+    return smollm2_server
 
 
 def client(server) -> openai.OpenAI:
