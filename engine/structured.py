@@ -344,9 +344,10 @@ def apply_masks(logits: Any, matchers: list[Matcher | None]) -> None:
     # A constraint that allows no token at all here (an unsatisfiable schema, say) would
     # leave nothing to sample: its row gets the stop token instead, which its matcher
     # then refuses, and the engine ends the request with an error.
+    # (read from the bitmask, [rows, vocab / 32] words, not from the logits)
     import torch
 
     idx = torch.tensor(rows)
-    dead = idx[~torch.isfinite(logits[idx]).any(dim=-1)].tolist()
+    dead = idx[(bitmask[idx] == 0).all(dim=-1)].tolist()
     for i in dead:
         logits[i, matchers[i].stop_token] = 0.0  # type: ignore[union-attr]  # rows have matchers
