@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import math
 import os
@@ -80,6 +81,12 @@ async def ready(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    want = gw.config.metrics_key
+    if want:
+        got = request.headers.get("authorization", "")
+        got = got[7:].strip() if got.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(got.encode(), want.encode()):
+            return openai_api.error_json(401, "unauthorized", "missing or invalid metrics key")
     gw.metrics.observe_engine(gw.engine.stats)
     return PlainTextResponse(gw.metrics.render().decode(),
                              media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -340,7 +340,7 @@ def _serve_on(sock: Any, a: argparse.Namespace) -> int:
         api_keys=ServiceConfig.keys_from_env(a.api_keys),
         allowed_origins=tuple(o for o in (a.allowed_origins or "").split(",") if o),
         limits=limits, ws_compression=a.ws_compression,
-        sampling_defaults=a.sampling_defaults)
+        sampling_defaults=a.sampling_defaults, metrics_key=a.metrics_key)
     server = build_server(config, a.host, a.port)
     server.run(sockets=[sock])
     return 1 if server.load_error is not None else 0
@@ -373,6 +373,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     env_arg(s, "--api-keys", "API_KEYS", default="", metavar="KEY:TENANT,...", secret=True,
             help="accepted API keys, each with its tenant (tenants never share cached "
                  "prefixes; a key alone is its own tenant); none: open, for local use")
+    env_arg(s, "--metrics-key", "METRICS_KEY", default="", metavar="KEY", secret=True,
+            help="a key that GET /metrics then requires (Authorization: Bearer KEY), for "
+                 "the scraper alone; none: /metrics is open, as /health is")
     env_arg(s, "--allowed-origins", "ALLOWED_ORIGINS", default="", metavar="ORIGIN,...",
             help="browser origins (scheme://host[:port]) allowed besides the server's own, "
                  "for WebSocket handshakes and CORS; *: any; none: same-origin only. "

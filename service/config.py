@@ -44,6 +44,9 @@ class ServiceConfig:
     # "model": requests that leave sampling fields unset get the model's defaults
     # (generation_config.json, else the registry entry); "none": OpenAI's defaults
     sampling_defaults: str = "model"
+    # set: GET /metrics needs `Authorization: Bearer <metrics_key>` (scrapers get their
+    # own key, not a tenant's); empty: /metrics is open, as /health is
+    metrics_key: str = ""
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "none"):

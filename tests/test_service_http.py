@@ -535,3 +535,19 @@ def test_bodies_over_the_message_limit_and_bad_json_are_refused(tiny_models) -> 
         while s.engine.has_unfinished() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not s.engine.has_unfinished()
+
+
+def test_metrics_behind_their_own_key(tiny_models) -> None:
+    """With --metrics-key, /metrics answers 401 without it (or with a tenant's API key)
+    and the Prometheus text with it; /health stays open."""
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)),
+                                               dtype="float32"),
+                           api_keys={"tenant-key": "t"}, metrics_key="scrape-key")
+    with run_server(config) as s:
+        for headers in ({}, {"Authorization": "Bearer tenant-key"},
+                        {"Authorization": "Bearer scrape-ke"}):
+            status, body = http_get(s.url + "/metrics", headers)
+            assert status == 401 and json.loads(body)["error"]["code"] == "unauthorized"
+        status, body = http_get(s.url + "/metrics", {"Authorization": "Bearer scrape-key"})
+        assert status == 200 and b"tidewire_" in body
+        assert http_get(s.url + "/health")[0] == 200
