@@ -30,6 +30,7 @@ from service.config import ServiceConfig
 from service.gateway import Gateway
 from service.metrics import Metrics
 from service.origins import origin_allowed
+from service.protocol import ProtocolError
 from service.transport import ASGI_SEND
 from service.session import websocket_endpoint
 
@@ -86,7 +87,8 @@ async def metrics(request: Request) -> Response:
         got = request.headers.get("authorization", "")
         got = got[7:].strip() if got.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(got.encode(), want.encode()):
-            return openai_api.error_json(401, "unauthorized", "missing or invalid metrics key")
+            return openai_api.error_response(ProtocolError("unauthorized",
+                                                           "missing or invalid metrics key"))
     gw.metrics.observe_engine(gw.engine.stats)
     return PlainTextResponse(gw.metrics.render().decode(),
                              media_type="text/plain; version=0.0.4; charset=utf-8")
