@@ -136,6 +136,39 @@ async def test_tenants_do_not_share_prefix_cache(server) -> None:
     assert await _cached_tokens(server, "key-b", "t3") == 0  # another tenant: no hit
 
 
+def test_a_warmed_prefix_is_invisible_to_another_tenant(server) -> None:
+    """Tenant A warms a long prompt; tenant B sending the same prompt reuses nothing
+    (warm's counters) and pays for the whole prefill: its time to an answer is that of
+    a cold prompt, not of A's cached one, so a hit cannot be observed by timing."""
+    import urllib.request
+
+    prompt = " ".join(f"word{i}" for i in range(300))
+
+    def post(path: str, key: str, body: dict) -> tuple[dict, float]:
+        req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
+                                     headers={"Authorization": f"Bearer {key}",
+                                              "Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        return out, time.perf_counter() - t0
+
+    first, _ = post("/v1/warm", "key-a", {"prompt": prompt})
+    assert first["prompt_tokens"] > 400 and sum(first["reused_tokens"].values()) == 0
+    again, _ = post("/v1/warm", "key-a", {"prompt": prompt})
+    assert again["reused_tokens"]["device"] >= first["prompt_tokens"] - 16  # A's own hit
+    other, _ = post("/v1/warm", "key-b", {"prompt": prompt})
+    assert other["reused_tokens"] == {"device": 0, "host": 0}  # B: nothing of A's
+    # timing, on a prompt only A has sent: A's answer comes from its cache, B's is
+    # computed in full
+    body = {"prompt": " ".join(f"other{i}" for i in range(300)), "max_tokens": 1,
+            "temperature": 0}
+    post("/v1/completions", "key-a", body)  # A caches this exact prompt
+    hit = min(post("/v1/completions", "key-a", body)[1] for _ in range(3))
+    cold = post("/v1/completions", "key-b", body)[1]
+    assert cold > 3 * hit, (cold, hit)
+
+
 def test_metrics_parse_and_move(server) -> None:
     before = scrape_metrics(server.url)
     client(server).completions.create(model="smollm2-135m", prompt="Hi", max_tokens=3)
