@@ -6,6 +6,7 @@ import contextlib
 import socket
 import threading
 import time
+from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -88,24 +89,49 @@ class RedisServer:
     """A real redis-server on a free port (no persistence, LRU under a memory cap, as
     compose.yaml configures it). stop() and start() again keep the port."""
 
-    def __init__(self, maxmemory: str = "256mb") -> None:
+    def __init__(self, maxmemory: str = "256mb", password: str | None = None,
+                 tls_dir: Path | None = None) -> None:
+        """`password`: requirepass. `tls_dir`: serve TLS only, with a self-signed
+        certificate for 127.0.0.1 made there (openssl); `self.url` is then rediss://,
+        trusting that certificate."""
         import shutil
 
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server is not installed: run `make install`")
-        self.exe, self.maxmemory = exe, maxmemory
+        self.exe, self.maxmemory, self.password, self.tls_dir = exe, maxmemory, password, tls_dir
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{password}@" if password else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        if tls_dir is not None:
+            self.cert = tls_dir / "redis.crt"
+            self.url = (f"rediss://{auth}127.0.0.1:{self.port}/0"
+                        f"?ssl_cert_reqs=required&ssl_ca_certs={self.cert}")
         self.proc = None
+
+    def _tls_args(self) -> list[str]:
+        import subprocess
+
+        assert self.tls_dir is not None
+        key = self.tls_dir / "redis.key"
+        if not self.cert.exists():
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+                            "-keyout", str(key), "-out", str(self.cert), "-days", "1",
+                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                           check=True, capture_output=True)
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.cert),
+                "--tls-key-file", str(key), "--tls-ca-cert-file", str(self.cert),
+                "--tls-auth-clients", "no"]
 
     def start(self) -> RedisServer:
         import subprocess
 
         import redis
 
+        ports = (self._tls_args() if self.tls_dir is not None else ["--port", str(self.port)])
+        auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(
-            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.exe, *ports, *auth, "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--maxmemory", self.maxmemory,
              "--maxmemory-policy", "allkeys-lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -179,3 +179,25 @@ def test_make_tier_kinds(redis_server) -> None:
         make_tier("redis")
     with pytest.raises(ValueError, match="unknown"):
         make_tier("disk")
+
+
+def test_redis_with_a_password_over_tls(tmp_path) -> None:
+    """A real redis-server that speaks only TLS and wants a password: the tier works
+    through a rediss:// URL that carries the password and trusts the server's
+    certificate. Without TLS, or with a wrong password, every call is a miss (an
+    error counted), never an exception."""
+    server = RedisServer(password="s3cret", tls_dir=tmp_path).start()
+    try:
+        assert server.url.startswith("rediss://:s3cret@")
+        tier = RedisTier(server.url)
+        assert tier.put_many([("k1", value(1))]) == 1
+        assert decode(bytes(tier.get_many(["k1"])[0]), 1) == PAYLOAD
+        assert tier.stats.as_dict()["errors"] == 0
+        tier.close()
+        for url in (server.url.replace("rediss://", "redis://").split("?")[0],  # plain TCP
+                    server.url.replace(":s3cret@", ":wrong@")):
+            bad = RedisTier(url, timeout=2.0)
+            assert bad.get_many(["k1"]) == [None] and bad.stats.as_dict()["errors"] == 1
+            bad.close()
+    finally:
+        server.stop()
