@@ -322,7 +322,7 @@ def test_non_finite_logits_and_top_k_past_the_vocabulary_still_sample() -> None:
     logits[0, 7] = float("inf")
     logits[1] = float("nan")
     logits[1, 4] = 1.0
-    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2),
+    params = [SamplingParams(temperature=2e-5, seed=1), SamplingParams(temperature=1.0, seed=2),
               SamplingParams(temperature=1.0, top_k=10**9, seed=3)]
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     out = s(logits.clone(), _batch(params, gens))
