@@ -333,6 +333,7 @@ def _serve_on(sock: Any, a: argparse.Namespace) -> int:
     limits = Limits(max_connections=a.max_connections,
                     max_inflight_per_connection=a.max_inflight_per_connection,
                     max_inflight_per_key=a.max_inflight_per_key, max_queue=a.max_queue,
+                    max_tokens_per_minute_per_key=a.max_tokens_per_minute_per_key,
                     max_message_bytes=a.max_message_bytes, idle_timeout=a.idle_timeout,
                     resume_grace=a.resume_grace, max_detached=a.max_detached)
     config = ServiceConfig(
@@ -415,6 +416,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     env_arg(lim, "--max-inflight-per-key", "MAX_INFLIGHT_PER_KEY", type=int, default=256,
             help="unfinished requests one API key may have (too_many_inflight beyond); "
                  "with --api-keys only: an open server's callers share no key")
+    env_arg(lim, "--max-tokens-per-minute-per-key", "MAX_TOKENS_PER_MINUTE_PER_KEY", type=int,
+            default=0, metavar="TOKENS",
+            help="prompt + generated tokens one API key may use a minute (0: no limit); "
+                 "checked at admission: beyond it `rate_limited` (HTTP 429 with Retry-After); "
+                 "with --api-keys only")
     env_arg(lim, "--max-queue", "MAX_QUEUE", type=int, default=2048,
             help="requests waiting for the engine; beyond it new ones get `overloaded`")
     env_arg(lim, "--max-message-bytes", "MAX_MESSAGE_BYTES", type=int, default=1 << 20,

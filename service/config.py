@@ -15,6 +15,9 @@ class Limits:
     # per API key, across sockets and HTTP; a policy for keyed deployments: an open
     # server (no api_keys) has one anonymous caller, whom it would cap as a whole
     max_inflight_per_key: int = 256
+    # tokens (prompt + generated) one API key may use per minute, checked at admission
+    # (service.ratelimit); 0 = no limit. Keyed servers only, as max_inflight_per_key.
+    max_tokens_per_minute_per_key: int = 0
     # requests waiting in the engine before `overloaded`: room for one waiting request
     # from every connection the server accepts, twice over
     max_queue: int = 2048

@@ -20,6 +20,7 @@ from engine.async_engine import RequestStream
 from service.config import ServiceConfig
 from service.metrics import Metrics
 from service.protocol import AUTH_PREFIX, ProtocolError
+from service.ratelimit import TokenBudget
 from service.resume import ParkedRequests
 
 
@@ -51,6 +52,8 @@ class Gateway:
         self._keys = {_digest(k): (k, tenant) for k, tenant in config.api_keys.items()}
         self.inflight_total = 0
         self.inflight_by_key: dict[str | None, int] = {}
+        tpm = config.limits.max_tokens_per_minute_per_key
+        self.token_budget = TokenBudget(tpm) if tpm > 0 and config.api_keys else None
         self.accepting = True
         self.sessions: set = set()  # open WebSocket sessions (service.session.Session)
         # requests of dropped sockets, parked for a resume (service/resume.py)
@@ -101,6 +104,13 @@ class Gateway:
                 and self.inflight_by_key.get(principal.key, 0) >= lim.max_inflight_per_key):
             raise ProtocolError("too_many_inflight", "too many requests in flight for this key",
                                 request_id)
+        budget = self.token_budget
+        if budget is not None and principal.key is not None:
+            wait = budget.retry_after(principal.key)
+            if wait > 0:
+                raise ProtocolError(
+                    "rate_limited", f"this key used its {int(budget.capacity)} tokens a minute; "
+                    f"retry in {wait:.1f}s", request_id, retry_after=wait)
         queued = self.engine.queued()
         if queued >= lim.max_queue:
             raise ProtocolError("overloaded", f"{queued} requests already waiting", request_id)
@@ -117,7 +127,10 @@ class Gateway:
             raise ProtocolError("internal_error", str(e), request_id) from None
         self.inflight_total += 1
         self.inflight_by_key[principal.key] = self.inflight_by_key.get(principal.key, 0) + 1
-        self.metrics.prompt_tokens.inc(len(stream.output.prompt_token_ids))
+        n_prompt = len(stream.output.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(n_prompt)
+        if budget is not None and principal.key is not None:
+            budget.charge(principal.key, n_prompt)
         return Admission(stream, time.monotonic(), principal)
 
     def queue_position(self) -> int | None:
@@ -237,6 +250,8 @@ class Gateway:
         self.inflight_by_key[key] -= 1
         if not self.inflight_by_key[key]:
             del self.inflight_by_key[key]
+        if self.token_budget is not None and key is not None:  # what it generated
+            self.token_budget.charge(key, sum(len(o.token_ids) for o in adm.stream.output.outputs))
         self.metrics.requests.labels(finish_reason or "unknown").inc()
         self.metrics.e2e.observe(time.monotonic() - adm.arrival)
         if adm.stream.sampled_at:  # it was admitted: its wait for a batch slot is known

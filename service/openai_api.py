@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -26,7 +27,7 @@ from service import tools as tool_calls
 HTTP_STATUS = {"invalid_request": 400, "unauthorized": 401, "model_not_found": 404,
                "context_length_exceeded": 400, "message_too_big": 413, "too_many_inflight": 429,
                "overloaded": 429, "slow_consumer": 429, "duplicate_id": 400,
-               "internal_error": 500}
+               "internal_error": 500, "rate_limited": 429}
 # OpenAI request fields -> SamplingParams fields (None: accepted and handled elsewhere).
 FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
           "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
@@ -43,7 +44,9 @@ FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
 
 def error_response(e: ProtocolError) -> JSONResponse:
     status = HTTP_STATUS.get(e.code, 400)
-    headers = {"Retry-After": "1"} if status == 429 else None
+    headers = None
+    if status == 429:  # whole seconds, rounded up (RFC 9110)
+        headers = {"Retry-After": str(max(1, math.ceil(e.retry_after or 1)))}
     return error_json(status, e.code, e.message, headers)
 
 

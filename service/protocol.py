@@ -17,25 +17,30 @@ AUTH_PREFIX = "tidewire.auth."
 ERROR_CODES = frozenset({
     "invalid_request", "unauthorized", "model_not_found", "duplicate_id", "too_many_inflight",
     "overloaded", "context_length_exceeded", "message_too_big", "slow_consumer",
-    "internal_error", "unknown_id",
+    "internal_error", "unknown_id", "rate_limited",
 })
-RETRYABLE = frozenset({"too_many_inflight", "overloaded", "slow_consumer", "internal_error"})
+RETRYABLE = frozenset({"too_many_inflight", "overloaded", "slow_consumer", "internal_error",
+                       "rate_limited"})
 MAX_ID_LEN = 128
 
 
 class ProtocolError(Exception):
     """A client error that becomes an `error` frame; the socket stays open."""
 
-    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+    def __init__(self, code: str, message: str, request_id: str | None = None,
+                 retry_after: float | None = None) -> None:
         assert code in ERROR_CODES, code
         super().__init__(message)
         self.code, self.message, self.request_id = code, message, request_id
+        self.retry_after = retry_after  # seconds until the same request may succeed
 
     def frame(self) -> dict[str, Any]:
         f: dict[str, Any] = {"type": "error", "code": self.code, "message": self.message,
                              "retryable": self.code in RETRYABLE}
         if self.request_id is not None:
             f["id"] = self.request_id
+        if self.retry_after is not None:
+            f["retry_after"] = round(self.retry_after, 3)
         return f
 
 

@@ -59,6 +59,19 @@ inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, floa
                      L.bias, o0, o1);
 }
 
+// Asks for the start of this thread's slice of L's weight, to be issued before the barrier
+// ahead of L: the rows after it are asked for as the matmul goes (prefetch_w_row), so the
+// stream runs on from the first row instead of waiting there for DRAM.
+template <typename T>
+inline void prefetch_slice(const StepLinear<T>& L, int tid, int nt) {
+  int64_t o0, o1;
+  split(L.out, tid, nt, 1, o0, o1);
+  const int64_t es = L.int8 ? 1 : int64_t(sizeof(T));
+  const char* p = static_cast<const char*>(L.w) + o0 * L.in * es;
+  const int64_t n = std::min<int64_t>(kLinearAheadBytes, (o1 - o0) * L.in * es);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 1);
+}
+
 // x [rows, hidden]: the embeddings in, the residual stream afterwards. logits [rows, vocab].
 template <int ND, typename T>
 void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const int64_t* positions,
@@ -94,6 +107,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const in
       for (int64_t r = r0; r < r1; ++r)  // layer 0: norm of x; then x += the last output
         rms_norm_row(h.data() + r * hidden, l == 0 ? x + r * hidden : tmp.data() + r * hidden,
                      x + r * hidden, m.norms[2 * l], hidden, m.eps, l > 0);
+      prefetch_slice(L[0], tid, n);
 #pragma omp barrier
       step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n);
 #pragma omp barrier
@@ -103,6 +117,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const in
 #pragma omp barrier
       run_items<ND>(plan, next[l], att.data(), qkv.data(), m.k_caches[l], m.v_caches[l], table,
                     seq_lens, qstart, sh, w);
+      prefetch_slice(L[1], tid, n);
 #pragma omp barrier
       if (!plan.groups.empty()) {
         int64_t g0, g1;
@@ -115,11 +130,13 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const in
       for (int64_t r = r0; r < r1; ++r)
         rms_norm_row(h.data() + r * hidden, tmp.data() + r * hidden, x + r * hidden,
                      m.norms[2 * l + 1], hidden, m.eps, true);
+      prefetch_slice(L[2], tid, n);
 #pragma omp barrier
       step_linear(L[2], gu.data(), h.data(), rows, xf.data(), tid, n);
 #pragma omp barrier
       for (int r = 0; r < rows; ++r)
         silu_and_mul_row(act.data() + r * I, gu.data() + r * 2 * I, I, c0, c1);
+      prefetch_slice(L[3], tid, n);
 #pragma omp barrier
       step_linear(L[3], tmp.data(), act.data(), rows, xf.data(), tid, n);
 #pragma omp barrier
@@ -127,6 +144,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const in
     for (int64_t r = r0; r < r1; ++r)
       rms_norm_row(h.data() + r * hidden, tmp.data() + r * hidden, x + r * hidden,
                    m.norms[2 * m.layers], hidden, m.eps, true);
+    prefetch_slice(m.linears[4 * m.layers], tid, n);
 #pragma omp barrier
     step_linear(m.linears[4 * m.layers], logits, h.data(), rows, xf.data(), tid, n);
   }

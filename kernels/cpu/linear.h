@@ -18,6 +18,14 @@
 namespace tw {
 
 constexpr int kMaxLinearRows = 8;
+constexpr int64_t kLinearAheadBytes = 4096;  // how far ahead of the row in use W is asked for
+
+// Asks for the W row `kLinearAheadBytes` ahead of row `wr` (of `bytes` bytes): the
+// hardware prefetcher alone lets the stream stall whenever the arithmetic falls behind.
+inline void prefetch_w_row(const void* wr, int64_t bytes) {
+  const char* p = static_cast<const char*>(wr) + ((kLinearAheadBytes + bytes - 1) / bytes) * bytes;
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 1);
+}
 
 template <typename T>
 inline void finish_rows(T* y, int64_t out_stride, int64_t o, const float* sums, int M,
@@ -37,6 +45,7 @@ inline void linear_rows_seq(T* y, int64_t out_stride, const float* xf, const TW*
                             int64_t o0, int64_t o1, const float* scale, const T* bias) {
   for (int64_t o = o0; o < o1; ++o) {
     const TW* wr = w + o * in;
+    prefetch_w_row(wr, in * int64_t(sizeof(TW)));
     f32x16 a[M][4] = {};
     int64_t i = 0;
     for (; i + 4 * kLanes <= in; i += 4 * kLanes) {
@@ -65,6 +74,7 @@ void linear_rows_bf16dp(c10::BFloat16* y, int64_t out_stride, const c10::BFloat1
   constexpr int kStep = 32;  // bf16 per vector
   for (int64_t o = o0; o < o1; ++o) {
     const c10::BFloat16* wr = w + o * in;
+    prefetch_w_row(wr, in * 2);
     __m512 a[M][4];
     for (int m = 0; m < M; ++m)
       for (int u = 0; u < 4; ++u) a[m][u] = _mm512_setzero_ps();

@@ -224,7 +224,10 @@ export declare class APIError extends TidewireError {
   code: string;
   retryable: boolean;
   requestId?: string;
-  constructor(code: string, message: string, retryable?: boolean, requestId?: string);
+  /** Seconds until the same request may succeed (`rate_limited`). */
+  retryAfter?: number;
+  constructor(code: string, message: string, retryable?: boolean, requestId?: string,
+              retryAfter?: number);
 }
 export declare class AuthenticationError extends APIError {}
 export declare class BadRequestError extends APIError {}
@@ -240,4 +243,5 @@ export declare function errorFromFrame(frame: {
   code: string;
   message?: string;
   retryable?: boolean;
+  retry_after?: number;
 }): APIError;

@@ -18,11 +18,13 @@ export class TidewireError extends Error {
 
 /** The server answered with an `error` frame. */
 export class APIError extends TidewireError {
-  constructor(code, message, retryable = false, requestId = undefined) {
+  constructor(code, message, retryable = false, requestId = undefined, retryAfter = undefined) {
     super(`${code}: ${message}`);
     this.code = code;
     this.retryable = retryable;
     this.requestId = requestId;
+    // seconds until the same request may succeed (`rate_limited`)
+    this.retryAfter = retryAfter;
   }
 }
 export class AuthenticationError extends APIError {}
@@ -43,16 +45,18 @@ const BY_CODE = {
   message_too_big: BadRequestError,
   model_not_found: NotFoundError,
   too_many_inflight: RateLimitError,
+  rate_limited: RateLimitError,
   overloaded: OverloadedError,
   slow_consumer: SlowConsumerError,
   internal_error: InternalServerError,
   unknown_id: BadRequestError,
 };
 
-/** The exception for an `error {id?, code, message, retryable}` frame. */
+/** The exception for an `error {id?, code, message, retryable, retry_after?}` frame. */
 export function errorFromFrame(frame) {
   const Cls = BY_CODE[frame.code] ?? APIError;
-  return new Cls(frame.code, frame.message ?? "", Boolean(frame.retryable), frame.id);
+  const retryAfter = typeof frame.retry_after === "number" ? frame.retry_after : undefined;
+  return new Cls(frame.code, frame.message ?? "", Boolean(frame.retryable), frame.id, retryAfter);
 }
 
 // -- helpers -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import {
   APIConnectionError,
   RateLimitError,
   TidewireClient,
+  errorFromFrame,
 } from "../src/index.js";
 
 const url = process.env.TIDEWIRE_URL;
@@ -113,6 +114,14 @@ test("errors map to typed exceptions", async () => {
   await assert.rejects(wrong.connect(), AuthenticationError);
   const dead = new TidewireClient({ url: "ws://127.0.0.1:9/v1/ws", maxRetries: 0 });
   await assert.rejects(dead.chat.create({ messages: ask("x") }), APIConnectionError);
+});
+
+test("rate_limited maps to RateLimitError with retryAfter", () => {
+  const e = errorFromFrame({ type: "error", code: "rate_limited", message: "m", retryable: true, id: "r", retry_after: 12.5 });
+  assert.ok(e instanceof RateLimitError);
+  assert.equal(e.retryAfter, 12.5);
+  assert.equal(e.requestId, "r");
+  assert.equal(errorFromFrame({ code: "overloaded", message: "m" }).retryAfter, undefined);
 });
 
 test("streams survive a dropped connection (resumed on a new socket)", async () => {

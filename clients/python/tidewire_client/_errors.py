@@ -16,10 +16,11 @@ class APIError(TidewireError):
     same request may succeed later), `request_id` (the stream's id, if any)."""
 
     def __init__(self, code: str, message: str, retryable: bool = False,
-                 request_id: Optional[str] = None) -> None:
+                 request_id: Optional[str] = None, retry_after: Optional[float] = None) -> None:
         super().__init__(f"{code}: {message}")
         self.code, self.message, self.retryable, self.request_id = (code, message, retryable,
                                                                     request_id)
+        self.retry_after = retry_after
 
 
 class AuthenticationError(APIError):
@@ -37,7 +38,9 @@ class NotFoundError(BadRequestError):
 
 
 class RateLimitError(APIError):
-    """Too many requests in flight on this socket or API key (`too_many_inflight`)."""
+    """Too many requests in flight on this socket or API key (`too_many_inflight`), or the
+    key used its tokens a minute (`rate_limited`; `retry_after` says for how long, in
+    seconds)."""
 
 
 class OverloadedError(RateLimitError):
@@ -68,6 +71,7 @@ _BY_CODE = {
     "message_too_big": BadRequestError,
     "model_not_found": NotFoundError,
     "too_many_inflight": RateLimitError,
+    "rate_limited": RateLimitError,
     "overloaded": OverloadedError,
     "slow_consumer": SlowConsumerError,
     "internal_error": InternalServerError,
@@ -79,8 +83,10 @@ def error_from_frame(frame: dict) -> APIError:
     """The exception for an `error {id?, code, message, retryable}` frame."""
     code = str(frame.get("code", "internal_error"))
     cls = _BY_CODE.get(code, APIError)
+    retry_after = frame.get("retry_after")
     return cls(code, str(frame.get("message", "")), bool(frame.get("retryable", False)),
-               frame.get("id"))
+               frame.get("id"),
+               float(retry_after) if isinstance(retry_after, (int, float)) else None)
 
 
 class IncompleteOutputError(TidewireError):
