@@ -45,6 +45,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs, no compiled CPU decode step")
     p.add_argument("--quantization", default="none", choices=["none", "int8"],
                    help="Tidewire's weights (the HF baseline stays in --dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="Tidewire's KV cache (int8: the CPU backend's one-byte cache)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for both systems (0: one per physical core)")
     p.add_argument("--num-requests", type=int, default=64,
@@ -311,11 +313,11 @@ def main(a: argparse.Namespace) -> int:
 
         arch = ModelArch.from_dir(resolve_model(a.model))
         dt = torch.float32 if a.dtype == "float32" else torch.bfloat16
-        kv_bytes = max(kv_bytes, 64 * 2600 * arch.kv_bytes_per_block(1, dt))
+        kv_bytes = max(kv_bytes, 64 * 2600 * arch.kv_bytes_per_block(1, dt, a.kv_cache_dtype))
     llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, attention_backend=backend,
               enforce_eager=a.enforce_eager, quantization=a.quantization, threads=a.threads,
-              kv_cache_memory=kv_bytes)
+              kv_cache_memory=kv_bytes, kv_cache_dtype=a.kv_cache_dtype)
     dtype = llm.engine.dtype  # what "auto" resolved to: the baseline runs the same
     work = chat64(llm.engine.arch.vocab_size, a.num_requests, a.seed)
     print(f"workload: {len(work)} requests, prompts {min(len(r.prompt_token_ids) for r in work)}-"
@@ -325,6 +327,7 @@ def main(a: argparse.Namespace) -> int:
     hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype, device)
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
                               "model": a.model, "attention_backend": backend,
+                              "kv_cache_dtype": a.kv_cache_dtype,
                               "cuda_graphs": llm.engine.runner.graphs is not None
                               and backend == "cuda",
                               "device": torch.cuda.get_device_name() if device == "cuda"
@@ -346,7 +349,8 @@ def main(a: argparse.Namespace) -> int:
         from bench.steps import plot
 
         plot(a.plot, sweep, breakdowns, f"Tidewire vs HF transformers, {a.model} "
-             f"({llm.engine.dtype_name}{', int8' if a.quantization == 'int8' else ''})")
+             f"({llm.engine.dtype_name}{', int8' if a.quantization == 'int8' else ''}"
+             f"{', int8 KV' if a.kv_cache_dtype == 'int8' else ''})")
         print(f"wrote {a.plot}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -159,7 +159,8 @@ class AsyncEngine:
         self.engine: LLMEngine = None  # type: ignore[assignment]  # built by the thread
         c = config
         self.progress = LoadProgress(  # read by the loop (/health) while the thread loads
-            f"{c.model}|{c.dtype}|{c.quantization}|{c.attention_backend}|{c.kv_cache_memory}",
+            f"{c.model}|{c.dtype}|{c.quantization}|{c.attention_backend}|{c.kv_cache_memory}"
+            f"{'|kv' + c.cache.dtype if c.cache.dtype != 'auto' else ''}",
             cache_root() / "startup")
         self._inbox: queue.SimpleQueue[_Add | _Control | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}

@@ -12,6 +12,7 @@ from engine.registry import DEFAULT_MODEL
 # the names `EngineConfig.dtype` takes besides "auto" (llm_engine.DTYPES maps them to torch)
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
 QUANTIZATIONS = ("none", "int8")  # engine/quant.py
+KV_CACHE_DTYPES = ("auto", "int8")  # auto: the activations' dtype; int8: the CPU's q8 cache
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,16 @@ class CacheConfig:
     # server ends up holding the whole pool either way; faulted in one page at a time
     # inside engine steps it cost ~4 us a 4 KB page, ~1 s of a chat-64 run.
     prefault: bool | None = None
+    # "int8": K and V stored as one-byte codes with a scale per row (cpu backend): twice
+    # the tokens in the same memory, decode attention reading half the bytes
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
+                             f"got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,7 @@ _NESTED: dict[str, tuple[str, str]] = {
     "num_kv_blocks": ("cache", "num_blocks"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "kv_prefault": ("cache", "prefault"),
+    "kv_cache_dtype": ("cache", "dtype"),
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "watermark": ("scheduler", "watermark"),

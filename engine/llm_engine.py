@@ -109,14 +109,16 @@ class LLMEngine:
         with progress.phase("weights"):
             weights = load_weights(self.model_dir)
         with progress.phase(f"model and KV cache ({self.num_blocks} blocks"
-                            f"{', int8 quantization' if config.quantization != 'none' else ''})"):
+                            f"{', int8 quantization' if config.quantization != 'none' else ''}"
+                            f"{', int8 KV cache' if cc.dtype == 'int8' else ''})"):
             self.runner = ModelRunner(
                 self.arch, weights, dtype=self.dtype, backend=config.attention_backend,
                 block_size=cc.block_size, num_blocks=self.num_blocks, seed=config.seed,
                 max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
                 enforce_eager=config.enforce_eager, quantization=config.quantization,
                 quant_cache=self._quant_cache(),
-                prefault=cc.prefault if cc.prefault is not None else prefault_default())
+                prefault=cc.prefault if cc.prefault is not None else prefault_default(),
+                kv_cache_dtype=cc.dtype)
             del weights
         self.offload = self._make_offload()
         if self.offload is not None:  # an engine dropped without close() still frees it all
@@ -151,9 +153,11 @@ class LLMEngine:
         a = self.arch
         self.kv_fingerprint = kv_fingerprint(
             a.model_type, weights_checksum(self.model_dir),
-            # int8 weights compute other K/V than the same model's bf16 ones
-            str(self.dtype).removeprefix("torch.") + ("" if self.config.quantization == "none"
-                                                      else f"+w{self.config.quantization}"),
+            # int8 weights compute other K/V than the same model's bf16 ones; an int8 cache
+            # holds other bytes (and layout) than a bf16 one
+            str(self.dtype).removeprefix("torch.")
+            + ("" if self.config.quantization == "none" else f"+w{self.config.quantization}")
+            + ("" if self.config.cache.dtype == "auto" else f"+kv{self.config.cache.dtype}"),
             self.config.cache.block_size, a.num_layers, a.num_kv_heads, a.head_dim)
         return KVOffload(tier, tc, self.kv, self.runner, self.kv_fingerprint, self._evicted)
 
@@ -174,7 +178,8 @@ class LLMEngine:
         """As many blocks as the memory budget holds, but no more than every sequence
         slot at full context could use (tiny models would otherwise zero gigabytes)."""
         bs = self.config.cache.block_size
-        budget = self.config.kv_cache_memory // self.arch.kv_bytes_per_block(bs, self.dtype)
+        per_block = self.arch.kv_bytes_per_block(bs, self.dtype, self.config.cache.dtype)
+        budget = self.config.kv_cache_memory // per_block
         most = -(-self.max_model_len // bs) * self.config.scheduler.max_num_seqs
         return max(1, min(budget, most))
 

@@ -88,7 +88,11 @@ class ModelArch:
     def from_dir(cls, path: str | Path) -> ModelArch:
         return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
 
-    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype,
+                           kv_cache_dtype: str = "auto") -> int:
+        """`kv_cache_dtype` "int8": one byte a value plus an fp32 scale a row."""
+        if kv_cache_dtype == "int8":
+            return 2 * self.num_layers * block_size * self.num_kv_heads * (self.head_dim + 4)
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * elem
 

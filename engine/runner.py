@@ -85,21 +85,24 @@ class ModelRunner:
                  dtype: torch.dtype, backend: str, block_size: int, num_blocks: int,
                  seed: int | None = None, max_num_seqs: int = 64, max_model_len: int = 8192,
                  enforce_eager: bool = False, quantization: str = "none",
-                 quant_cache: Path | None = None, prefault: bool = False) -> None:
+                 quant_cache: Path | None = None, prefault: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
         """Keyword-only past `weights`: most are ints, easily swapped by position.
         `enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
         graphs otherwise; engine/cuda_graphs.py) and no compiled CPU decode step
         (engine/cpu_step.py). `quantization`: "none" or "int8"
-        (engine/quant.py), cached in `quant_cache`. `prefault`: see kv_pool."""
+        (engine/quant.py), cached in `quant_cache`. `prefault`: see kv_pool.
+        `kv_cache_dtype`: "auto" (the activations' dtype) or "int8" (the cpu backend's
+        q8 cache, engine/attention/cpu.py)."""
         attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
-                                    dtype)
+                                    dtype, kv_cache_dtype)
         self.block_size = block_size
         self.attn = attn
         self.device = torch.device(attn.device)
         self.model = LlamaModel(arch, weights, dtype, attn, quantization, quant_cache)
         # One tensor holds every layer's K and V cache, so that moving whole blocks to
         # or from the host tier is one gather or scatter, not two per layer.
-        self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)), dtype,
+        self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)), attn.cache_dtype,
                           self.device, prefault)
         self.kv_caches = [(layer[0], layer[1]) for layer in self.kv.unbind(0)]
         self.sampler = Sampler(seed)
@@ -195,9 +198,9 @@ class ModelRunner:
                             self._sampling_batch(samplers), launched)
 
     def block_shape(self) -> tuple[int, ...]:
-        """One block of every layer's K and V: [layers, 2, block_size, kv_heads, head_dim]."""
-        a = self.attn
-        return (len(self.kv_caches), 2, a.block_size, a.num_kv_heads, a.head_dim)
+        """One block of every layer's K and V: [layers, 2, block_size, kv_heads, head_dim]
+        (an int8 cache: its own, AttentionBackend.block_shape)."""
+        return self.attn.block_shape(len(self.kv_caches))
 
     @torch.inference_mode()
     def snapshot_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -210,8 +213,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def to_host(self, blocks: torch.Tensor) -> BlockCopy:
-        """snapshot_blocks' copy on its way to the CPU, [n, layers, 2, block_size,
-        kv_heads, head_dim], for the host tier's I/O thread. On a GPU the copy is
+        """snapshot_blocks' copy on its way to the CPU, [n, *block_shape()], for the host
+        tier's I/O thread. On a GPU the copy is
         queued on the stream, into pinned memory, and this thread does not wait for it:
         BlockCopy.wait() (on the I/O thread) does."""
         blocks = blocks.contiguous()

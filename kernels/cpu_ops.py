@@ -96,6 +96,15 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                                        query_start, scale)
 
 
+def q8_decode_quantizes_queries() -> bool:
+    """Whether decodes over an int8 KV cache run the integer kernel, which takes each
+    query row through int8 too (kernels/cpu/attention_q8.h): where the CPU has
+    AVX512-VNNI (the kernels are built with -march=native). Elsewhere they dequantize
+    the cache and compute in fp32, as prefill chunks do everywhere."""
+    flags = set(_cpu_identity().split())
+    return {"avx512_vnni", "avx512bw"} <= flags
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.rms_norm, fused: returns (normed, new residual). With a residual, the sum

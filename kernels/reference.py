@@ -133,6 +133,65 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     v_cache[slots // bs, slots % bs] = v[keep]
 
 
+# -- the int8 KV cache ("q8"; kernels/cpu/kv_q8.h) -------------------------------------
+# One layer's K (or V) cache is uint8 [kv_heads, num_blocks, block_size * (head_dim + 4)]:
+# per (KV head, block), block_size rows of head_dim codes, then the rows' fp32 scales.
+# K codes are stored biased (+128, as uint8), V codes as int8.
+Q8_K_BIAS = 128
+
+
+def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of each row x[..., :]: (codes int8 [..., d], scale fp32 [...]) with
+    scale = max|x| / 127 and codes = round(x / scale) (half to even; 0 for a zero row)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / 127.0
+    div = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(xf / div[..., None]).clamp_(-127, 127)
+    return codes.to(torch.int8), scale
+
+
+def q8_block_size(cache: torch.Tensor, head_dim: int) -> int:
+    return cache.shape[-1] // (head_dim + 4)
+
+
+def q8_views(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a q8 cache: (codes uint8 [kv_heads, num_blocks, block_size, head_dim],
+    scales fp32 [kv_heads, num_blocks, block_size])."""
+    bs = q8_block_size(cache, head_dim)
+    codes = cache[..., : bs * head_dim].unflatten(-1, (bs, head_dim))
+    return codes, cache[..., bs * head_dim :].view(torch.float32)
+
+
+def q8_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v [tokens, kv_heads, head_dim] quantized into q8 caches at slot = block *
+    block_size + offset; slot -1 is skipped (padding)."""
+    d = k.shape[-1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    bs = q8_block_size(k_cache, d)
+    for cache, x, biased in ((k_cache, k[keep], True), (v_cache, v[keep], False)):
+        codes, scales = q8_views(cache, d)
+        c, s = quantize_kv_rows(x)  # [n, kv_heads, d], [n, kv_heads]
+        stored = (c.to(torch.int16) + Q8_K_BIAS).to(torch.uint8) if biased else c.view(torch.uint8)
+        codes[:, slots // bs, slots % bs] = stored.transpose(0, 1)
+        scales[:, slots // bs, slots % bs] = s.transpose(0, 1)
+
+
+def q8_dequantize(cache: torch.Tensor, head_dim: int, biased: bool) -> torch.Tensor:
+    """A q8 cache as fp32 [kv_heads, num_blocks, block_size, head_dim] (codes x scales)."""
+    codes, scales = q8_views(cache, head_dim)
+    c = codes.to(torch.int16) - Q8_K_BIAS if biased else codes.view(torch.int8)
+    return c.float() * scales[..., None]
+
+
+def quantize_queries(q: torch.Tensor) -> torch.Tensor:
+    """What the q8 decode kernel multiplies: each query row [..., head_dim] through int8
+    codes (quantize_kv_rows) and back, fp32."""
+    codes, scale = quantize_kv_rows(q)
+    return codes.float() * scale[..., None]
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
     """logits[r, t] = -inf (in place) for each row r in `rows` and each token t whose bit
     is clear in bitmask[r]: bit t % 32 of the int32 word t // 32 (xgrammar's layout).

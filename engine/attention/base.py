@@ -47,13 +47,26 @@ class AttentionBackend(ABC):
     # the CPU: the logits rows come back once per step).
     device = "cpu"
 
+    # what `kv_cache_dtype` may be: "auto" is the activations' dtype
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto"):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.dtype = dtype  # the KV cache's dtype
+        self.dtype = dtype  # the activations' dtype (and the KV cache's, with "auto")
+        if kv_cache_dtype not in self.kv_cache_dtypes:
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not available on the "
+                             f"{self.name} attention backend (it takes "
+                             f"{', '.join(self.kv_cache_dtypes)})")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.cache_dtype = dtype  # what the KV pool is allocated as
         self.block_size = block_size
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
+
+    def block_shape(self, num_layers: int) -> tuple[int, ...]:
+        """One block of every layer's K and V in gather_blocks' canonical layout."""
+        return (num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
     @abstractmethod
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -71,9 +84,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """Whole blocks of every layer's K and V, from the model's cache `kv` [layers, 2,
-        *cache_shape], in the canonical layout [len(block_ids), layers, 2, block_size,
-        kv_heads, head_dim] (what the host tier stores, whatever this backend's cache
-        layout). One gather for all layers into a new tensor, never a view of the cache
+        *cache_shape], in the canonical layout [len(block_ids), *block_shape(layers)]
+        ([n, layers, 2, block_size, kv_heads, head_dim]: what the host tier stores,
+        whatever this backend's cache layout; an int8 cache has its own, which the tier
+        fingerprint tells apart). One gather for all layers into a new tensor, never a view of the cache
         (later writes to the cache leave it alone); the result may be a permuted view of
         that tensor."""
 

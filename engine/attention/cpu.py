@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, PagedMetadata, PrefillSpec, StepLayout
 from kernels import cpu_ops
+from kernels import reference as ref
 
 PAGED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what the compiled kernel takes
 
@@ -69,32 +70,58 @@ class CpuAttention(AttentionBackend):
     prefill chunks alike, is one call that reads K/V in place. Without them (no compiler)
     the torch fallback gathers whole blocks (head-major, so an index_select yields
     [kv_heads, batch, tokens, head_dim] with no transpose) and runs SDPA with GQA.
+
+    kv_cache_dtype "int8" (compiled kernels only): the q8 cache of kernels/cpu/kv_q8.h,
+    uint8 [num_kv_heads, num_blocks, block_size * (head_dim + 4)], each block's rows of
+    one-byte codes followed by their fp32 scales; half the bytes of bf16, so twice the
+    blocks in the same memory and decode attention reading half as much.
     """
 
     name = "cpu"
+    kv_cache_dtypes = ("auto", "int8")
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, compiled: bool | None = None):
+                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
+                 compiled: bool | None = None):
         """`compiled`: use the compiled kernels (default: where they build and take this
         head_dim)."""
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype)
         if compiled is None:
             compiled = (head_dim in PAGED_HEAD_DIMS and dtype in (torch.float32, torch.bfloat16)
                         and cpu_ops.available())
         self.compiled = compiled
+        self.q8 = kv_cache_dtype == "int8"
+        if self.q8:
+            if not compiled:
+                raise ValueError("kv_cache_dtype int8 needs Tidewire's compiled CPU kernels (a "
+                                 "C++ compiler; see docs/cpu-engine.md), fp32 or bf16 weights "
+                                 f"and a head_dim in {PAGED_HEAD_DIMS}")
+            self.cache_dtype = torch.uint8
         # Gather buffers reused by every layer and step: a fresh multi-MB tensor per
         # gather costs page faults that take longer than the copy itself.
         self._bufs: dict[str, torch.Tensor] = {}
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        if self.q8:
+            return (self.num_kv_heads, num_blocks, self.block_size * (self.head_dim + 4))
         return (self.num_kv_heads, num_blocks, self.block_size, self.head_dim)
 
+    def block_shape(self, num_layers: int) -> tuple[int, ...]:
+        if self.q8:  # a block's bytes per (layer, K/V, KV head), as the cache holds them
+            return (num_layers, 2, self.num_kv_heads, self.block_size * (self.head_dim + 4))
+        return super().block_shape(num_layers)
+
     def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        if self.q8:  # [layers, 2, kv_heads, n, bytes] -> [n, layers, 2, kv_heads, bytes]
+            return kv.index_select(3, block_ids).permute(3, 0, 1, 2, 4)
         # [layers, 2, kv_heads, n, bs, d] -> [n, layers, 2, bs, kv_heads, d]
         return kv.index_select(3, block_ids).permute(3, 0, 1, 4, 2, 5)
 
     def scatter_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,
                        data: torch.Tensor) -> None:
+        if self.q8:
+            kv.index_copy_(3, block_ids, data.permute(1, 2, 3, 0, 4))
+            return
         kv.index_copy_(3, block_ids, data.permute(1, 2, 4, 0, 3, 5))
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata | PagedMetadata:
@@ -169,6 +196,9 @@ class CpuAttention(AttentionBackend):
                     v_cache: torch.Tensor, meta: CpuMetadata | PagedMetadata) -> None:
         # k, v: [num_tokens, kv_heads, head_dim] -> slots of the flat [kv_heads, slots, D]
         slots = meta.slot_mapping
+        if self.q8:
+            ref.q8_write(k_cache, v_cache, k, v, slots)
+            return
         kv_heads, d = self.num_kv_heads, self.head_dim
         k_cache.view(kv_heads, -1, d)[:, slots] = k.transpose(0, 1)
         v_cache.view(kv_heads, -1, d)[:, slots] = v.transpose(0, 1)

@@ -39,8 +39,8 @@ class TritonAttention(AttentionBackend):
     device = "cuda"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float32):
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype)
+                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto"):
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype)
         self._check_device()
         from kernels import paged_attention, paged_decode_splitk, reshape_and_cache
 

@@ -51,6 +51,7 @@ struct AttnShape {
 // Per-thread scratch of one work item.
 struct AttnScratch {
   std::vector<float> q, o, s, kt, v, m, l;
+  std::vector<float> kq;          // a q8 cache's key tile as fp32 rows (kKeyTile x d)
   std::vector<c10::BFloat16> qb;  // bf16 queries, unscaled (the bf16 dot-product path)
   void reserve(int64_t d) {
     q.resize(kMaxRows * d);
@@ -58,6 +59,7 @@ struct AttnScratch {
     o.resize(kMaxRows * d);
     s.resize(kMaxRows * kKeyTile);
     kt.resize(d * kKeyTile);
+    kq.resize(kKeyTile * d);
     v.resize(kKeyTile * d);
     m.resize(kMaxRows);
     l.resize(kMaxRows);
@@ -354,25 +356,39 @@ inline void accumulate_pv_bf16(float* o, const float* p, const float* corr, cons
 }
 #endif
 
-#if defined(__AVX512BF16__)
 // A stretch of the key stream read a 16-key chunk at a time (chunks never straddle a
 // block: block sizes here are multiples of 16 and spans start on multiples of 16).
 struct ChunkCursor {
   KeySpan a, b;  // the rest of this item, then the next item
-  // Offset of the next chunk's first row in the K (and V) cache and its key count,
-  // advancing; n = 0 when the stream has run out.
-  int64_t next(const AttnShape& sh, int& n) {
+  // The next chunk's span, first position and key count n (advancing); n = 0 when the
+  // stream has run out.
+  const KeySpan* take(int& n, int64_t& pos) {
     KeySpan& sp = a.begin < a.end ? a : b;
     n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kLanes, sp.end - sp.begin)));
+    pos = sp.begin;
+    sp.begin += n;
+    return &sp;
+  }
+  // Offset of the next chunk's first row in the K (and V) cache, in elements.
+  int64_t next(const AttnShape& sh, int& n) {
+    int64_t pos;
+    const KeySpan* sp = take(n, pos);
     if (n == 0) return 0;
     const int64_t bs = sh.block_size;
-    const int64_t off = ((sp.kv_head * sh.num_blocks + sp.table[sp.begin / bs]) * bs +
-                         sp.begin % bs) * sh.head_dim;
-    sp.begin += n;
-    return off;
+    return ((sp->kv_head * sh.num_blocks + sp->table[pos / bs]) * bs + pos % bs) * sh.head_dim;
+  }
+  // The same for a q8 cache: the chunk's block (byte offset) and its first row there.
+  void next_q8(const AttnShape& sh, int& n, int64_t& block, int64_t& off) {
+    int64_t pos;
+    const KeySpan* sp = take(n, pos);
+    if (n == 0) return;
+    const int64_t bs = sh.block_size;
+    block = (sp->kv_head * sh.num_blocks + sp->table[pos / bs]) * bs * (sh.head_dim + 4);
+    off = pos % bs;
   }
 };
 
+#if defined(__AVX512BF16__)
 // The decode work item for bf16 caches on CPUs with AVX512-BF16 and block sizes that are
 // multiples of 16: one query token, its group's G <= 8 heads as rows. Keys go by 16-key
 // chunks that lie in one block each, so K and V rows are addressed from one base per
@@ -483,6 +499,33 @@ void attend_decode_bf16(const AttnItem& it, const c10::BFloat16* q, const c10::B
 }
 #endif
 
+// The online-softmax step of a tile for each of `rows` query rows (token r / G of the
+// item, whose position is `rel` + r / G relative to the tile's first key): causal, and
+// leaves the probabilities in s and each row's rescale factor in corr.
+inline void softmax_rows(float* s, int rows, int64_t G, int64_t rel, int nk, AttnScratch& w,
+                         float* corr) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t seen = std::min<int64_t>(nk, rel + r / G + 1);  // causal
+    if (seen <= 0) {  // nothing visible in this tile: p = 0, the output stays
+      std::fill(s + r * kKeyTile, s + (r + 1) * kKeyTile, 0.0f);
+      corr[r] = 1.0f;
+    } else {
+      corr[r] = softmax_update(s + r * kKeyTile, static_cast<int>(seen), w.m[r], w.l[r]);
+    }
+  }
+}
+
+// o += P V for rows [r, rows) from the fp32 V tile in w.v, two rows per pass.
+template <int ND>
+inline void accumulate_rows(AttnScratch& w, int rows, int r, const float* corr, int nk) {
+  constexpr int D = ND * kLanes;
+  const float* s = w.s.data();
+  for (; r + 2 <= rows; r += 2)
+    accumulate_pv<ND, 2>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
+  if (r < rows)
+    accumulate_pv<ND, 1>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
+}
+
 // One work item: rows = (token, group head) pairs, keys [key_begin, key_end) of the
 // sequence's context, causal. Leaves o (unnormalized) and m, l (running max, denominator).
 template <int ND, typename T>
@@ -563,15 +606,7 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
       for (int k = 0; k < nk; ++k)
         for (int j = 0; j < ND; ++j)
           store16(w.v.data() + k * D + j * kLanes, load16(vrows[k] + j * kLanes));
-    for (int r = 0; r < rows; ++r) {
-      const int64_t seen = std::min<int64_t>(nk, pos0 + r / G - kb + 1);  // causal
-      if (seen <= 0) {  // nothing visible in this tile: p = 0, the output stays
-        std::fill(s + r * kKeyTile, s + (r + 1) * kKeyTile, 0.0f);
-        corr[r] = 1.0f;
-      } else {
-        corr[r] = softmax_update(s + r * kKeyTile, static_cast<int>(seen), w.m[r], w.l[r]);
-      }
-    }
+    softmax_rows(s, rows, G, pos0 - kb, nk, w, corr);
     int r = 0;
 #if defined(__AVX512BF16__)
     if constexpr (bf16_dot) {
@@ -583,12 +618,18 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
       continue;
     }
 #endif
-    for (; r + 2 <= rows; r += 2)
-      accumulate_pv<ND, 2>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
-    if (r < rows)
-      accumulate_pv<ND, 1>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
+    accumulate_rows<ND>(w, rows, r, corr, nk);
   }
 }
+
+// The same for a q8 cache (attention_q8.h): `kc`, `vc` are uint8 [kv_heads, num_blocks,
+// block_size * (head_dim + 4)] (kv_q8.h).
+template <int ND, typename T>
+void attend_item(const AttnItem& it, const T* q, const uint8_t* kc, const uint8_t* vc,
+                 const int32_t* table, int64_t ctx, int64_t q_len, int64_t q_row0,
+                 const AttnShape& sh, AttnScratch& w, KeySpan after);
+inline void prefetch_rows(const uint8_t* cache, const AttnShape& sh, const int32_t* table,
+                          int64_t kvh, int64_t kb, int64_t ke);
 
 // Splits the step into work items (see the file comment).
 inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* qstart,
@@ -652,8 +693,8 @@ inline void store_row(T* out, const AttnShape& sh, const int32_t* qstart, const 
 
 // Item i of the plan: its rows into `out`, or, for a part of a split context, into the
 // plan's partial buffers.
-template <int ND, typename T>
-void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const T* kc, const T* vc,
+template <int ND, typename T, typename C>
+void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const C* kc, const C* vc,
               const int32_t* table, const int32_t* seq_lens, const int32_t* qstart,
               const AttnShape& sh, AttnScratch& w, const KeySpan& after) {
   constexpr int D = ND * kLanes;
@@ -689,9 +730,9 @@ inline KeySpan item_keys(const AttnPlan& plan, size_t i, const int32_t* table,
 // its next item before it starts the current one, so the keys of both form one stream
 // that its prefetches run ahead on; only the first tile of its first item is fetched
 // in one go.
-template <int ND, typename T>
-void run_items(AttnPlan& plan, std::atomic<size_t>& next, T* out, const T* q, const T* kc,
-               const T* vc, const int32_t* table, const int32_t* seq_lens,
+template <int ND, typename T, typename C>
+void run_items(AttnPlan& plan, std::atomic<size_t>& next, T* out, const T* q, const C* kc,
+               const C* vc, const int32_t* table, const int32_t* seq_lens,
                const int32_t* qstart, const AttnShape& sh, AttnScratch& w) {
   size_t cur = next++;
   if (cur < plan.items.size()) {
@@ -735,8 +776,8 @@ void merge_group(const AttnPlan& plan, size_t g, T* out, const int32_t* qstart,
   }
 }
 
-template <int ND, typename T>
-void paged_attention_impl(T* out, const T* q, const T* kc, const T* vc, const int32_t* table,
+template <int ND, typename T, typename C>
+void paged_attention_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* table,
                           const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
                           const AttnShape& sh) {
   const int threads = at::get_num_threads();
@@ -751,3 +792,5 @@ void paged_attention_impl(T* out, const T* q, const T* kc, const T* vc, const in
 }
 
 }  // namespace tw
+
+#include "attention_q8.h"

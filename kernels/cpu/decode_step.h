@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -33,7 +34,8 @@ struct StepModel {
   float eps;
   std::vector<const T*> norms;             // 2 per layer (input, post-attention), then final
   std::vector<StepLinear<T>> linears;      // 4 per layer (qkv, o, gate_up, down), then LM head
-  std::vector<T*> k_caches, v_caches;      // per layer [kv_heads, blocks, block_size, d]
+  // per layer: [kv_heads, blocks, block_size, d] in T, or q8 (kv_q8.h); the step's C
+  std::vector<void*> k_caches, v_caches;
   int64_t num_blocks, block_size;
 };
 
@@ -72,15 +74,27 @@ inline void prefetch_slice(const StepLinear<T>& L, int tid, int nt) {
   for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
+// Where rope_cache_token stores layer l's K and V: caches of T, or q8 caches (C = uint8_t).
+template <typename T, typename C>
+inline auto step_kv(const StepModel<T>& m, int64_t l) {
+  if constexpr (std::is_same_v<C, uint8_t>)
+    return Q8KV{static_cast<uint8_t*>(m.k_caches[l]), static_cast<uint8_t*>(m.v_caches[l]),
+                {m.num_blocks, m.block_size, m.head_dim}};
+  else
+    return PlainKV<T>{static_cast<T*>(m.k_caches[l]), static_cast<T*>(m.v_caches[l]),
+                      m.num_blocks * m.block_size, m.head_dim};
+}
+
 // x [rows, hidden]: the embeddings in, the residual stream afterwards. logits [rows, vocab].
-template <int ND, typename T>
+// C: the caches' element type (T, or uint8_t for q8 caches).
+template <int ND, typename T, typename C>
 void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const int64_t* positions,
                       const int64_t* slots, const int32_t* table, int64_t table_width,
                       const int32_t* seq_lens, const int32_t* qstart, const float* cos_t,
                       const float* sin_t, float attn_scale) {
   constexpr int D = ND * kLanes;
   const int64_t H = m.heads, KVH = m.kv_heads, hidden = m.hidden, I = m.inter;
-  const int64_t qkv_out = (H + 2 * KVH) * D, cache_slots = m.num_blocks * m.block_size;
+  const int64_t qkv_out = (H + 2 * KVH) * D;
   const int nt = at::get_num_threads();
   AttnShape sh{H, KVH, H / KVH, D, m.block_size, m.num_blocks, table_width, qkv_out, H * D,
                attn_scale};
@@ -111,12 +125,13 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const in
 #pragma omp barrier
       step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n);
 #pragma omp barrier
+      const auto kv = step_kv<T, C>(m, l);
       for (int64_t r = r0; r < r1; ++r)
-        rope_cache_token(qkv.data() + r * qkv_out, positions[r], cos_t, sin_t, m.k_caches[l],
-                         m.v_caches[l], slots[r], H, KVH, D, cache_slots);
+        rope_cache_token(qkv.data() + r * qkv_out, positions[r], cos_t, sin_t, kv, slots[r], H,
+                         KVH, D);
 #pragma omp barrier
-      run_items<ND>(plan, next[l], att.data(), qkv.data(), m.k_caches[l], m.v_caches[l], table,
-                    seq_lens, qstart, sh, w);
+      run_items<ND>(plan, next[l], att.data(), qkv.data(), static_cast<const C*>(m.k_caches[l]),
+                    static_cast<const C*>(m.v_caches[l]), table, seq_lens, qstart, sh, w);
       prefetch_slice(L[1], tid, n);
 #pragma omp barrier
       if (!plan.groups.empty()) {

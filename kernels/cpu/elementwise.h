@@ -6,6 +6,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "kv_q8.h"
 #include "vec.h"
 
 namespace tw {
@@ -58,12 +59,12 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
 
 // Neox rotary embedding of q and k heads in place, in each row of qkv [tokens, (heads +
 // 2 * kv_heads) * head_dim] (row stride `row`), then k and v of each token stored at
-// its cache slot (caches [kv_heads, num_blocks * block_size, head_dim]; slot < 0: not
+// its cache slot through `kv` (PlainKV or Q8KV, kv_q8.h; a slot it does not hold: not
 // stored). cos, sin: fp32 [max_positions, head_dim / 2].
-template <typename T>
+template <typename T, typename KV>
 inline void rope_cache_token(T* x, int64_t position, const float* cos_t, const float* sin_t,
-                             T* k_cache, T* v_cache, int64_t slot, int64_t heads,
-                             int64_t kv_heads, int64_t d, int64_t cache_slots) {
+                             const KV& kv, int64_t slot, int64_t heads, int64_t kv_heads,
+                             int64_t d) {
   const int64_t half = d / 2;
   const float* c = cos_t + position * half;
   const float* s = sin_t + position * half;
@@ -80,43 +81,27 @@ inline void rope_cache_token(T* x, int64_t position, const float* cos_t, const f
       store16(xh + half + i, hi);
     }
   }
-  if (slot < 0 || slot >= cache_slots) return;
-  for (int64_t h = 0; h < kv_heads; ++h) {
-    const T* k = x + (heads + h) * d;
-    const T* v = x + (heads + kv_heads + h) * d;
-    T* kd = k_cache + (h * cache_slots + slot) * d;
-    T* vd = v_cache + (h * cache_slots + slot) * d;
-    for (int64_t i = 0; i < d; ++i) {
-      kd[i] = k[i];
-      vd[i] = v[i];
-    }
-  }
+  if (!kv.holds(slot)) return;
+  for (int64_t h = 0; h < kv_heads; ++h)
+    kv.store(h, slot, x + (heads + h) * d, x + (heads + kv_heads + h) * d);
 }
 
-template <typename T>
+template <typename T, typename KV>
 void rope_and_cache(T* qkv, int64_t row, const int64_t* positions, const float* cos_t,
-                    const float* sin_t, T* k_cache, T* v_cache, const int64_t* slots,
-                    int64_t tokens, int64_t heads, int64_t kv_heads, int64_t d,
-                    int64_t cache_slots) {
+                    const float* sin_t, const KV& kv, const int64_t* slots, int64_t tokens,
+                    int64_t heads, int64_t kv_heads, int64_t d) {
   at::parallel_for(0, tokens, 8, [&](int64_t t0, int64_t t1) {
     // The cache lines the tokens' K and V go to are cold (each in its own block): asked
     // for all at once, for writing, they arrive together instead of one miss after
     // another as the stores reach them (64 decodes: 3.4 ms a step before, per the
     // profiler, on 30 layers).
     for (int64_t t = t0; t < t1; ++t) {
-      if (slots[t] < 0 || slots[t] >= cache_slots) continue;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const char* kd = reinterpret_cast<const char*>(k_cache + (h * cache_slots + slots[t]) * d);
-        const char* vd = reinterpret_cast<const char*>(v_cache + (h * cache_slots + slots[t]) * d);
-        for (int64_t b = 0; b < d * int64_t(sizeof(T)); b += 64) {
-          __builtin_prefetch(kd + b, 1, 3);
-          __builtin_prefetch(vd + b, 1, 3);
-        }
-      }
+      if (!kv.holds(slots[t])) continue;
+      for (int64_t h = 0; h < kv_heads; ++h) kv.prefetch(h, slots[t]);
     }
     for (int64_t t = t0; t < t1; ++t)
-      rope_cache_token(qkv + t * row, positions[t], cos_t, sin_t, k_cache, v_cache, slots[t],
-                       heads, kv_heads, d, cache_slots);
+      rope_cache_token(qkv + t * row, positions[t], cos_t, sin_t, kv, slots[t], heads, kv_heads,
+                       d);
   });
 }
 

@@ -19,10 +19,23 @@ void attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start,
                      const AttnShape& sh) {
-  paged_attention_impl<ND, T>(out.data_ptr<T>(), q.const_data_ptr<T>(), k_cache.const_data_ptr<T>(),
-                              v_cache.const_data_ptr<T>(), block_table.const_data_ptr<int32_t>(),
-                              seq_lens.const_data_ptr<int32_t>(),
-                              query_start.const_data_ptr<int32_t>(), seq_lens.size(0), sh);
+  auto run = [&](const auto* kc, const auto* vc) {
+    paged_attention_impl<ND>(out.data_ptr<T>(), q.const_data_ptr<T>(), kc, vc,
+                             block_table.const_data_ptr<int32_t>(),
+                             seq_lens.const_data_ptr<int32_t>(),
+                             query_start.const_data_ptr<int32_t>(), seq_lens.size(0), sh);
+  };
+  if (k_cache.scalar_type() == at::kByte)
+    run(k_cache.const_data_ptr<uint8_t>(), v_cache.const_data_ptr<uint8_t>());
+  else
+    run(k_cache.const_data_ptr<T>(), v_cache.const_data_ptr<T>());
+}
+
+// The block size of a q8 cache [kv_heads, blocks, block_size * (head_dim + 4)] (kv_q8.h).
+int64_t q8_block_size(const at::Tensor& cache, int64_t d) {
+  check(cache.dim() == 3 && cache.size(2) % (d + 4) == 0,
+        "an int8 (q8) cache must be uint8 [kv_heads, blocks, block_size * (head_dim + 4)]");
+  return cache.size(2) / (d + 4);
 }
 
 template <typename T>
@@ -45,14 +58,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, double scale) {
   check(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
-  check(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-        "caches must be [kv_heads, blocks, block_size, head_dim]");
+  const bool q8 = k_cache.scalar_type() == at::kByte;
+  check(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
+            (q8 || k_cache.dim() == 4),
+        "caches must be [kv_heads, blocks, block_size, head_dim] (or q8), alike");
+  const int64_t d = q.size(2);
+  const int64_t bs = q8 ? q8_block_size(k_cache, d) : k_cache.size(2);
   check(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   check(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
             out.stride(1) == out.size(2),
         "q and out need contiguous heads (the token stride may be anything)");
-  check(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-        "q, out and the caches must share a dtype");
+  check((q8 || q.scalar_type() == k_cache.scalar_type()) && out.scalar_type() == q.scalar_type(),
+        "q, out and the caches must share a dtype (or the caches be q8)");
   check(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
             query_start.scalar_type() == at::kInt && block_table.is_contiguous() &&
             seq_lens.is_contiguous() && query_start.is_contiguous(),
@@ -65,12 +82,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     check(qs[0] == 0 && qs[seq_lens.size(0)] == q.size(0), "query_start must run 0..num_tokens");
     for (int64_t s = 0; s < seq_lens.size(0); ++s)
       check(qs[s + 1] >= qs[s] && sl[s] >= qs[s + 1] - qs[s] &&
-                (sl[s] + k_cache.size(2) - 1) / k_cache.size(2) <= block_table.size(1),
+                (sl[s] + bs - 1) / bs <= block_table.size(1),
             "each sequence's context must hold its queries and fit its block-table row");
   }
-  const int64_t heads = q.size(1), kvh = k_cache.size(0), d = q.size(2);
-  check(k_cache.size(3) == d && heads % kvh == 0, "head_dim or GQA group mismatch");
-  AttnShape sh{heads, kvh, heads / kvh, d, k_cache.size(2), k_cache.size(1),
+  const int64_t heads = q.size(1), kvh = k_cache.size(0);
+  check((q8 || k_cache.size(3) == d) && heads % kvh == 0, "head_dim or GQA group mismatch");
+  AttnShape sh{heads, kvh, heads / kvh, d, bs, k_cache.size(1),
                block_table.size(1), q.stride(0), out.stride(0), static_cast<float>(scale)};
   check(sh.group <= kMaxRows, "GQA group too large");
   if (q.scalar_type() == at::kFloat)
@@ -113,21 +130,32 @@ template <typename T>
 void rope_cache_typed(at::Tensor& qkv, const at::Tensor& pos, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor& kc, at::Tensor& vc,
                       const at::Tensor& slots, int64_t heads, int64_t kvh, int64_t d) {
-  rope_and_cache<T>(qkv.data_ptr<T>(), qkv.stride(0), pos.const_data_ptr<int64_t>(),
-                    cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), kc.data_ptr<T>(),
-                    vc.data_ptr<T>(), slots.const_data_ptr<int64_t>(), qkv.size(0), heads, kvh, d,
-                    kc.size(1) * kc.size(2));
+  auto run = [&](const auto& kv) {
+    rope_and_cache<T>(qkv.data_ptr<T>(), qkv.stride(0), pos.const_data_ptr<int64_t>(),
+                      cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), kv,
+                      slots.const_data_ptr<int64_t>(), qkv.size(0), heads, kvh, d);
+  };
+  if (kc.scalar_type() == at::kByte)
+    run(Q8KV{kc.data_ptr<uint8_t>(), vc.data_ptr<uint8_t>(),
+             {kc.size(1), q8_block_size(kc, d), d}});
+  else
+    run(PlainKV<T>{kc.data_ptr<T>(), vc.data_ptr<T>(), kc.size(1) * kc.size(2), d});
 }
 
 void rope_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                 const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
                 const at::Tensor& slot_mapping, int64_t num_heads) {
-  const int64_t kvh = k_cache.size(0), d = k_cache.size(3);
-  check(d % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
-  check(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) == (num_heads + 2 * kvh) * d,
+  const int64_t kvh = k_cache.size(0);
+  const bool q8 = k_cache.scalar_type() == at::kByte;
+  check(qkv.dim() == 2 && qkv.size(1) % (num_heads + 2 * kvh) == 0,
         "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows");
-  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-        "caches must be contiguous [kv_heads, blocks, block_size, head_dim]");
+  const int64_t d = qkv.size(1) / (num_heads + 2 * kvh);
+  check(d % (2 * kLanes) == 0, "head_dim must be a multiple of 32");
+  check(qkv.stride(1) == 1 && (q8 || k_cache.size(3) == d),
+        "qkv must be [tokens, (heads + 2 * kv_heads) * head_dim] with contiguous rows");
+  check(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes() &&
+            k_cache.scalar_type() == v_cache.scalar_type(),
+        "caches must be contiguous [kv_heads, blocks, block_size, head_dim] (or q8), alike");
   check(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
             positions.is_contiguous() && slot_mapping.is_contiguous() &&
             positions.size(0) == qkv.size(0) && slot_mapping.size(0) == qkv.size(0),
@@ -135,7 +163,8 @@ void rope_cache(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& 
   check(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
             sin.is_contiguous() && cos.size(1) == d / 2,
         "cos and sin must be contiguous fp32 [max_positions, head_dim / 2]");
-  check(qkv.scalar_type() == k_cache.scalar_type(), "qkv and the caches must share a dtype");
+  check(q8 || qkv.scalar_type() == k_cache.scalar_type(),
+        "qkv and the caches must share a dtype (or the caches be q8)");
   if (qkv.scalar_type() == at::kFloat)
     rope_cache_typed<float>(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_heads,
                             kvh, d);
@@ -214,40 +243,45 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
             biases.size() == linears.size(),
         "decode_step: 2L+1 norms, 4L+1 linears (scales, biases alike) and L caches");
   const at::Tensor& k0 = k_caches[0];
+  const bool q8 = k0.scalar_type() == at::kByte;
   StepModel<T> m;
   m.layers = layers;
   m.hidden = norms[0].numel();
   m.heads = num_heads;
   m.kv_heads = k0.size(0);
   m.num_blocks = k0.size(1);
-  m.block_size = k0.size(2);
-  m.head_dim = k0.size(3);
+  m.head_dim = q8 ? linears[1].size(1) / num_heads : k0.size(3);
+  m.block_size = q8 ? q8_block_size(k0, m.head_dim) : k0.size(2);
+  const at::ScalarType act = norms[0].scalar_type();
   m.inter = linears[3].size(1);
   m.vocab = linears[4 * layers].size(0);
   m.eps = float(eps);
   for (const auto& t : norms) {
-    check(t.scalar_type() == k0.scalar_type() && t.is_contiguous() && t.numel() == m.hidden,
+    check(t.scalar_type() == act && t.is_contiguous() && t.numel() == m.hidden,
           "decode_step: norm weights");
     m.norms.push_back(t.const_data_ptr<T>());
   }
   for (size_t i = 0; i < linears.size(); ++i) {
     const at::Tensor& w = linears[i];
     const bool q8 = w.scalar_type() == at::kChar;
-    check(w.dim() == 2 && w.is_contiguous() && (q8 || w.scalar_type() == k0.scalar_type()) &&
+    const bool w8 = w.scalar_type() == at::kChar;
+    check(w.dim() == 2 && w.is_contiguous() && (w8 || w.scalar_type() == act) &&
               w.size(1) % kLanes == 0,
           "decode_step: linear weights must be contiguous [out, in], in % 16 == 0, int8 or "
-          "the caches' dtype");
+          "the activations' dtype");
     const c10::optional<at::Tensor> sc = scales.get(i), b = biases.get(i);
-    check(q8 == sc.has_value(), "decode_step: int8 weights come with scales, others without");
-    m.linears.push_back({w.const_data_ptr(), q8, sc ? sc->const_data_ptr<float>() : nullptr,
+    check(w8 == sc.has_value(), "decode_step: int8 weights come with scales, others without");
+    m.linears.push_back({w.const_data_ptr(), w8, sc ? sc->const_data_ptr<float>() : nullptr,
                          b ? b->const_data_ptr<T>() : nullptr, w.size(1), w.size(0)});
   }
   for (int64_t l = 0; l < layers; ++l) {
     check(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
-              k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes(),
-          "decode_step: caches");
-    m.k_caches.push_back(k_caches[l].data_ptr<T>());
-    m.v_caches.push_back(v_caches[l].data_ptr<T>());
+              k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes() &&
+              k_caches[l].scalar_type() == k0.scalar_type() &&
+              v_caches[l].scalar_type() == k0.scalar_type() && (q8 || k0.scalar_type() == act),
+          "decode_step: caches alike, in the activations' dtype or q8");
+    m.k_caches.push_back(k_caches[l].data_ptr());
+    m.v_caches.push_back(v_caches[l].data_ptr());
   }
   const int64_t d = m.head_dim;
   check(num_heads % m.kv_heads == 0 && num_heads / m.kv_heads <= kMaxRows,
@@ -259,7 +293,7 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
       const c10::optional<at::Tensor> sc = scales.get(4 * l + j), b = biases.get(4 * l + j);
       check(w.sizes() == w0.sizes() && (!sc || sc->numel() == w.size(0)) &&
                 (!b || (b->numel() == w.size(0) && b->is_contiguous() &&
-                        b->scalar_type() == k0.scalar_type())) &&
+                        b->scalar_type() == act)) &&
                 (!sc || (sc->is_contiguous() && sc->scalar_type() == at::kFloat)),
             "decode_step: every layer's weights shaped like layer 0's, [out] biases and scales");
     }
@@ -271,18 +305,29 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
   return m;
 }
 
+template <int ND, typename T, typename C>
+void decode_step_with(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
+                      const at::Tensor& slots, const at::Tensor& table, const at::Tensor& seq_lens,
+                      const at::Tensor& qstart, const at::Tensor& cos, const at::Tensor& sin,
+                      const StepModel<T>& m, double scale, int rows) {
+  decode_step_impl<ND, T, C>(
+      m, logits.data_ptr<T>(), x.data_ptr<T>(), rows, positions.const_data_ptr<int64_t>(),
+      slots.const_data_ptr<int64_t>(), table.const_data_ptr<int32_t>(), table.size(1),
+      seq_lens.const_data_ptr<int32_t>(), qstart.const_data_ptr<int32_t>(),
+      cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), float(scale));
+}
+
 template <typename T>
 void decode_step_typed(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
                        const at::Tensor& slots, const at::Tensor& table, const at::Tensor& seq_lens,
                        const at::Tensor& qstart, const at::Tensor& cos, const at::Tensor& sin,
-                       const StepModel<T>& m, double scale) {
+                       const StepModel<T>& m, double scale, bool q8) {
   const int rows = static_cast<int>(x.size(0));
   auto run = [&](auto nd) {
-    decode_step_impl<decltype(nd)::value, T>(
-        m, logits.data_ptr<T>(), x.data_ptr<T>(), rows, positions.const_data_ptr<int64_t>(),
-        slots.const_data_ptr<int64_t>(), table.const_data_ptr<int32_t>(), table.size(1),
-        seq_lens.const_data_ptr<int32_t>(), qstart.const_data_ptr<int32_t>(),
-        cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), float(scale));
+    if (q8) return decode_step_with<decltype(nd)::value, T, uint8_t>(
+        logits, x, positions, slots, table, seq_lens, qstart, cos, sin, m, scale, rows);
+    decode_step_with<decltype(nd)::value, T, T>(logits, x, positions, slots, table, seq_lens,
+                                                qstart, cos, sin, m, scale, rows);
   };
   switch (m.head_dim / kLanes) {
     case 2: return run(std::integral_constant<int, 2>{});
@@ -322,19 +367,20 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
   const int32_t* qs = query_start.const_data_ptr<int32_t>();
   for (int64_t r = 0; r <= rows; ++r)
     check(qs[r] == r, "decode_step: one query token per sequence (query_start = 0..n)");
+  const bool q8 = !k_caches.empty() && k_caches[0].scalar_type() == at::kByte;
   if (x.scalar_type() == at::kFloat) {
     auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps);
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<float>(logits, x, positions, slot_mapping, block_table, seq_lens,
-                             query_start, cos, sin, m, scale);
+                             query_start, cos, sin, m, scale, q8);
   } else if (x.scalar_type() == at::kBFloat16) {
     auto m = step_model<c10::BFloat16>(norms, linears, scales, biases, k_caches, v_caches,
                                        num_heads, eps);
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<c10::BFloat16>(logits, x, positions, slot_mapping, block_table, seq_lens,
-                                     query_start, cos, sin, m, scale);
+                                     query_start, cos, sin, m, scale, q8);
   } else {
     check(false, "dtype must be float32 or bfloat16");
   }

@@ -86,8 +86,10 @@ inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
 // Lane k of the result = hsum(v[k]), for 16 vectors at once: a butterfly of shuffles and
 // adds (~3 operations a vector instead of ~8 for separate horizontal sums). Halving the
 // width level by level leaves the sums in bit-reversed lane order, undone at the end.
-inline f32x16 hsum16(const f32x16* v) {
-  f32x16 w[8], u[4], z[2];
+// V: f32x16 or i32x16.
+template <typename V>
+inline V hsum16(const V* v) {
+  V w[8], u[4], z[2];
   for (int i = 0; i < 8; ++i)
     w[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
                                    19, 20, 21, 22, 23) +
@@ -103,7 +105,7 @@ inline f32x16 hsum16(const f32x16* v) {
                                    25, 12, 13, 28, 29) +
            __builtin_shufflevector(u[2 * i], u[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26,
                                    27, 14, 15, 30, 31);
-  const f32x16 r = __builtin_shufflevector(z[0], z[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
+  const V r = __builtin_shufflevector(z[0], z[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26,
                                            12, 28, 14, 30) +
                    __builtin_shufflevector(z[0], z[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27,
                                            13, 29, 15, 31);
