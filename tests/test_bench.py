@@ -125,3 +125,20 @@ def test_bench_sampling_judges_answers_and_spots_loops() -> None:
     assert looping("the cat " * 20) and not looping(" ".join(f"w{i}" for i in range(40)))
     assert not looping("short answer")  # too short to call a loop
     assert {"temperature": 1.0, "top_p": 1.0} in CANDIDATES  # what an unset request got before
+
+
+def test_bench_accuracy_forces_the_text_through_the_decode_path(tiny_chat_model, tmp_path) -> None:
+    """fp32 through Tidewire's decode path equals HF fp32 (the control); the int8 KV cache
+    changes the distributions a little and keeps most top-1 tokens."""
+    text = tmp_path / "text.md"
+    text.write_text("Tidewire serves a language model over WebSockets and HTTP. " * 8)
+    out = tmp_path / "accuracy.json"
+    rc = main(["bench", "accuracy", "--model", str(tiny_chat_model), "--text", str(text),
+               "--tokens", "80", "--configs", "fp32,fp32+kv-int8", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["tokens"] == 80
+    fp32, q8 = res["configs"]["fp32"], res["configs"]["fp32+kv-int8"]
+    assert fp32["top1_agreement"] == 1.0 and fp32["mean_kl"] < 1e-6
+    assert fp32["perplexity"] == pytest.approx(res["fp32_perplexity"], rel=1e-4)
+    assert 0 < q8["mean_kl"] < 0.05 and q8["top1_agreement"] >= 0.8

@@ -526,6 +526,21 @@ inline void accumulate_rows(AttnScratch& w, int rows, int r, const float* corr, 
     accumulate_pv<ND, 1>(w.o.data() + r * D, s + r * kKeyTile, corr + r, w.v.data(), nk);
 }
 
+#if defined(__AVX512BF16__)
+// accumulate_rows for the bf16 path: the V tile as key pairs (pair_values) in w.v.
+template <int ND>
+inline void accumulate_rows_bf16(AttnScratch& w, int rows, const float* corr, int nk) {
+  constexpr int D = ND * kLanes;
+  const float* s = w.s.data();
+  const uint32_t* vp = reinterpret_cast<const uint32_t*>(w.v.data());
+  int r = 0;
+  for (; r + 2 <= rows; r += 2)
+    accumulate_pv_bf16<ND, 2>(w.o.data() + r * D, s + r * kKeyTile, corr + r, vp, nk);
+  if (r < rows)
+    accumulate_pv_bf16<ND, 1>(w.o.data() + r * D, s + r * kKeyTile, corr + r, vp, nk);
+}
+#endif
+
 // One work item: rows = (token, group head) pairs, keys [key_begin, key_end) of the
 // sequence's context, causal. Leaves o (unnormalized) and m, l (running max, denominator).
 template <int ND, typename T>
@@ -610,11 +625,7 @@ void attend_item(const AttnItem& it, const T* q, const T* kc, const T* vc, const
     int r = 0;
 #if defined(__AVX512BF16__)
     if constexpr (bf16_dot) {
-      const uint32_t* vp = reinterpret_cast<const uint32_t*>(w.v.data());
-      for (; r + 2 <= rows; r += 2)
-        accumulate_pv_bf16<ND, 2>(w.o.data() + r * D, s + r * kKeyTile, corr + r, vp, nk);
-      if (r < rows)
-        accumulate_pv_bf16<ND, 1>(w.o.data() + r * D, s + r * kKeyTile, corr + r, vp, nk);
+      accumulate_rows_bf16<ND>(w, rows, corr, nk);
       continue;
     }
 #endif

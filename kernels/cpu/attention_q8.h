@@ -34,11 +34,11 @@ inline void prefetch_rows(const uint8_t* cache, const AttnShape& sh, const int32
   }
 }
 
-// Keys [kb, kb + nk) of one KV head as fp32 rows dst[nk][D] (codes times scales); K codes
-// are biased (kv_q8.h).
-template <int ND, bool kBiased>
+// Keys [kb, kb + nk) of one KV head as rows dst[nk][D] (codes times scales, in fp32, then
+// rounded to Out); K codes are biased (kv_q8.h).
+template <int ND, bool kBiased, typename Out>
 inline void q8_dequantize_rows(const uint8_t* cache, const AttnShape& sh, const int32_t* table,
-                               int64_t kvh, int64_t kb, int nk, float* dst) {
+                               int64_t kvh, int64_t kb, int nk, Out* dst) {
   constexpr int D = ND * kLanes;
   const Q8Layout lay = q8_layout(sh);
   const int64_t bs = sh.block_size;
@@ -80,8 +80,16 @@ void attend_item(const AttnItem& it, const T* q, const uint8_t* kc, const uint8_
     }
   }
 #endif
+  // bf16 activations: tiles dequantized to bf16 rows (the values a bf16 cache would
+  // hold) for the bf16 dot-product code; fp32: fp32 rows for the fp32 code
+  constexpr bool bf16_dot = has_bf16_dot() && std::is_same_v<T, c10::BFloat16> && ND % 2 == 0;
+  using Row = std::conditional_t<bf16_dot, c10::BFloat16, float>;
   for (int64_t t = 0; t < ntok; ++t) {
     const T* src = q + (q_row0 + it.tok_begin + t) * sh.q_stride + it.kv_head * G * D;
+    if constexpr (bf16_dot) {
+      std::memcpy(w.qb.data() + t * G * D, src, G * D * sizeof(T));
+      continue;
+    }
     for (int64_t g = 0; g < G; ++g)
       for (int j = 0; j < ND; ++j)
         store16(w.q.data() + (t * G + g) * D + j * kLanes,
@@ -90,8 +98,15 @@ void attend_item(const AttnItem& it, const T* q, const uint8_t* kc, const uint8_
   std::fill(w.o.begin(), w.o.begin() + rows * D, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
   std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-  const float* krows[kKeyTile];
-  for (int k = 0; k < kKeyTile; ++k) krows[k] = w.kq.data() + k * D;
+  // w.kq holds the K tile's rows, and for bf16 the V tile's rows after them
+  Row* kbuf = reinterpret_cast<Row*>(w.kq.data());
+  Row* vbuf = bf16_dot ? kbuf + kKeyTile * D : reinterpret_cast<Row*>(w.v.data());
+  const Row* krows[kKeyTile];
+  const Row* vrows[kKeyTile];
+  for (int k = 0; k < kKeyTile; ++k) {
+    krows[k] = kbuf + k * D;
+    vrows[k] = vbuf + k * D;
+  }
   float corr[kMaxRows];
   for (int64_t kb = it.key_begin; kb < last; kb += kKeyTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, last - kb));
@@ -105,15 +120,29 @@ void attend_item(const AttnItem& it, const T* q, const uint8_t* kc, const uint8_
       prefetch_rows(kc, sh, after.table, after.kv_head, after.begin, e);
       prefetch_rows(vc, sh, after.table, after.kv_head, after.begin, e);
     }
-    q8_dequantize_rows<ND, true>(kc, sh, table, it.kv_head, kb, nk, w.kq.data());
-    q8_dequantize_rows<ND, false>(vc, sh, table, it.kv_head, kb, nk, w.v.data());
+    q8_dequantize_rows<ND, true>(kc, sh, table, it.kv_head, kb, nk, kbuf);
+    q8_dequantize_rows<ND, false>(vc, sh, table, it.kv_head, kb, nk, vbuf);
     float* s = w.s.data();
-    if (rows < 8)
-      scores_by_dot<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
-    else
-      scores_by_tile<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
-    softmax_rows(s, rows, G, pos0 - kb, nk, w, corr);
-    accumulate_rows<ND>(w, rows, 0, corr, nk);
+#if defined(__AVX512BF16__)
+    if constexpr (bf16_dot) {
+      if (rows < 8)
+        scores_by_dot_bf16<ND>(w.qb.data(), sh.scale, rows, krows, nk, s, krows, vrows, 0);
+      else
+        scores_by_tile_bf16<ND>(w.qb.data(), sh.scale, rows, krows, nk, w.kt.data(), s);
+      pair_values<ND>(vrows, nk, reinterpret_cast<uint32_t*>(w.v.data()));
+      softmax_rows(s, rows, G, pos0 - kb, nk, w, corr);
+      accumulate_rows_bf16<ND>(w, rows, corr, nk);
+      continue;
+    }
+#endif
+    if constexpr (!bf16_dot) {
+      if (rows < 8)
+        scores_by_dot<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
+      else
+        scores_by_tile<ND>(w.q.data(), rows, krows, nk, w.kt.data(), s);
+      softmax_rows(s, rows, G, pos0 - kb, nk, w, corr);
+      accumulate_rows<ND>(w, rows, 0, corr, nk);
+    }
   }
 }
 
