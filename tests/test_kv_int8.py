@@ -7,6 +7,8 @@ refused with a clear error."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -139,8 +141,12 @@ def test_int8_kv_blocks_go_through_the_host_tier_and_back(tiny_models) -> None:
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     filler = random_prompts(4, 60, 60, 320, seed=29)  # evicts the first prompts' blocks
     llm.generate(filler, GREEDY)
-    stats = llm.engine.offload.stats
-    assert stats.written_blocks > 0
+    off = llm.engine.offload
+    deadline = time.monotonic() + 30  # the tier's I/O thread writes what was evicted
+    while (off.worker.pending_writes or not off.stats.written_blocks) and \
+            time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert off.stats.written_blocks > 0
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     assert llm.engine.offload.stats.load_blocks > 0
     bf16 = LLM(model=str(path), dtype="float32", kv_tier="memory")
