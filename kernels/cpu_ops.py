@@ -83,24 +83,30 @@ def available() -> bool:
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                    query_start: torch.Tensor, scale: float) -> None:
+                    query_start: torch.Tensor, scale: float,
+                    num_decodes: int | None = None) -> None:
     """Causal paged attention of a ragged batch, read in place from the cache, into `out`.
 
     q, out [num_tokens, num_heads, head_dim] (heads contiguous, any token stride);
-    k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim] contiguous;
-    block_table [num_seqs, max_blocks], seq_lens [num_seqs] (context after this step),
-    query_start [num_seqs + 1], all int32. Query i of sequence s sits at position
-    seq_lens[s] - q_len + i. float32 or bfloat16 (fp32 accumulation either way);
-    head_dim in 16, 32, 64, 80, 96, 128, 256."""
+    k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim] contiguous, in q's
+    dtype, or both int8 caches (uint8 [num_kv_heads, num_blocks, block_size * (head_dim
+    + 4)], kernels/cpu/kv_q8.h); block_table [num_seqs, max_blocks], seq_lens [num_seqs]
+    (context after this step), query_start [num_seqs + 1], all int32. Query i of
+    sequence s sits at position seq_lens[s] - q_len + i. float32 or bfloat16 (fp32
+    accumulation either way); head_dim in 16, 32, 64, 80, 96, 128, 256. Sequences
+    [0, num_decodes) are decode steps (None: every one-token sequence), which over an
+    int8 cache may take int8 queries (q8_decode_quantizes_queries)."""
     torch.ops.tidewire.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens,
-                                       query_start, scale)
+                                       query_start, scale,
+                                       -1 if num_decodes is None else num_decodes)
 
 
 def q8_decode_quantizes_queries() -> bool:
-    """Whether decodes over an int8 KV cache run the integer kernel, which takes each
+    """Whether decodes over an int8 KV cache can run the integer kernel, which takes each
     query row through int8 too (kernels/cpu/attention_q8.h): where the CPU has
-    AVX512-VNNI (the kernels are built with -march=native). Elsewhere they dequantize
-    the cache and compute in fp32, as prefill chunks do everywhere."""
+    AVX512-VNNI (the kernels are built with -march=native), for head_dim a multiple of
+    64, at most 8 query heads per KV head and block sizes a multiple of 16. Otherwise,
+    and for prefill chunks everywhere, tiles are dequantized and the queries kept."""
     flags = set(_cpu_identity().split())
     return {"avx512_vnni", "avx512bw"} <= flags
 
@@ -123,7 +129,8 @@ def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
                num_heads: int) -> None:
     """reference.rope over the q and k heads of qkv [tokens, (heads + 2 * kv_heads) *
     head_dim] (rows contiguous), in place, then each token's k and v stored at its slot of
-    the [kv_heads, num_blocks, block_size, head_dim] caches (slot -1: not stored).
+    the [kv_heads, num_blocks, block_size, head_dim] caches, or quantized into int8 caches
+    as reference.q8_write does (slot -1: not stored).
     positions, slot_mapping: int64 [tokens]; cos, sin: fp32 [max_positions, head_dim / 2]
     (reference.rope_cos_sin); head_dim % 32 == 0."""
     torch.ops.tidewire.rope_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,

@@ -39,8 +39,9 @@ def q8_cache(kv_heads: int, num_blocks: int, bs: int, d: int) -> torch.Tensor:
 
 def _q8_case(seqs, heads, kv_heads, d, bs, dtype, seed=0):
     """Random K/V for each (q_len, ctx) sequence written through ref.q8_write into
-    shuffled physical blocks; returns the q8 caches and their fp32 dequantization in the
-    reference's [num_blocks, block_size, kv_heads, d] layout."""
+    shuffled physical blocks, every other byte 0xFF (NaN scales: what no sequence owns
+    must never be read into a result); returns the q8 caches and their fp32
+    dequantization in the reference's [num_blocks, block_size, kv_heads, d] layout."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-ctx // bs) for _, ctx in seqs]
     num_blocks = sum(need) + 3
@@ -50,10 +51,12 @@ def _q8_case(seqs, heads, kv_heads, d, bs, dtype, seed=0):
     for i, n in enumerate(need):
         table[i, :n] = perm[at : at + n]
         at += n
-    kc, vc = q8_cache(kv_heads, num_blocks, bs, d), q8_cache(kv_heads, num_blocks, bs, d)
-    slots = torch.arange(num_blocks * bs)
-    k = (torch.randn((num_blocks * bs, kv_heads, d), generator=g) * 2).to(dtype)
-    v = torch.randn((num_blocks * bs, kv_heads, d), generator=g).to(dtype)
+    kc = q8_cache(kv_heads, num_blocks, bs, d).fill_(0xFF)
+    vc = q8_cache(kv_heads, num_blocks, bs, d).fill_(0xFF)
+    slots = torch.tensor([int(table[i, p // bs]) * bs + p % bs
+                          for i, (_, ctx) in enumerate(seqs) for p in range(ctx)])
+    k = (torch.randn((len(slots), kv_heads, d), generator=g) * 2).to(dtype)
+    v = torch.randn((len(slots), kv_heads, d), generator=g).to(dtype)
     ref.q8_write(kc, vc, k, v, slots)
     q_lens = [q for q, _ in seqs]
     q = torch.randn((sum(q_lens), heads, d), generator=g).to(dtype)
@@ -64,10 +67,12 @@ def _q8_case(seqs, heads, kv_heads, d, bs, dtype, seed=0):
     return q, kc, vc, kf, vf, table, lens, qstart
 
 
-def _run(seqs, heads, kv_heads, d, bs, dtype, seed=0):
+def _run(seqs, heads, kv_heads, d, bs, dtype, seed=0, num_decodes=None):
     q, kc, vc, kf, vf, table, lens, qstart = _q8_case(seqs, heads, kv_heads, d, bs, dtype, seed)
+    kf, vf = kf.nan_to_num(0.0), vf.nan_to_num(0.0)  # (the reference masks after the product)
     out = torch.full_like(q, float("nan"))
-    cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, d**-0.5)
+    cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, d**-0.5, num_decodes)
+    assert not out.isnan().any()
     return q, out.float(), kf, vf, table, lens, qstart
 
 
@@ -106,17 +111,21 @@ def test_q8_rope_cache_writes_the_reference_codes_and_scales(dtype, head_dim) ->
 @pytest.mark.parametrize("bs", [1, 16, 32])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2)])
 def test_q8_prefill_chunks_match_the_dequantized_reference(dtype, bs, heads, kv_heads) -> None:
-    # prefill chunks (work items of several queries) dequantize tiles and run fp32
-    # arithmetic: they match the reference on the dequantized cache as closely as a
-    # bf16/fp32 cache does. (No chunk here leaves a one-token item, which would take the
-    # decode kernel: items hold 64 // group tokens.)
-    seqs = [(5, 5), (70, 90), (34, 34), (2, 47), (1, 1), (1, 37)]
-    q, out, kf, vf, table, lens, qstart = _run(seqs, heads, kv_heads, 64, bs, dtype)
+    # prefill chunks dequantize tiles and run fp32 (or bf16) arithmetic: they match the
+    # reference on the dequantized cache as closely as a bf16/fp32 cache does, one-token
+    # chunks (and one-token tails of a chunk's items) included
+    seqs = [(1, 1), (1, 37), (5, 5), (70, 90), (33, 33), (2, 47), (1, 20)]
+    q, out, kf, vf, table, lens, qstart = _run(seqs, heads, kv_heads, 64, bs, dtype,
+                                               num_decodes=0)
     want, _ = ref.paged_attention(q.float(), kf, vf, table, lens, qstart, 64**-0.5)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    rows = slice(0, int(qstart[4]))  # the prefill chunks' rows
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    # the first two as decodes: their queries may go through int8 (the VNNI kernel), so
+    # they are close, not exact; the chunks stay exact
+    q, out, kf, vf, table, lens, qstart = _run(seqs, heads, kv_heads, 64, bs, dtype,
+                                               num_decodes=2)
+    rows = slice(2, None)
     torch.testing.assert_close(out[rows], want[rows], atol=tol, rtol=tol)
-    # decodes: the queries may go through int8 as well (VNNI kernel): close, not exact
     torch.testing.assert_close(out, want, atol=3e-2, rtol=3e-2)
 
 
@@ -158,3 +167,12 @@ def test_q8_caches_are_checked() -> None:
                                 table, lens, qstart, 0.125)
     with pytest.raises(RuntimeError, match="alike"):
         cpu_ops.paged_attention(out, q, kc, vc.view(torch.int8), table, lens, qstart, 0.125)
+
+
+def test_q8_block_sizes_other_than_16_and_mixed_decodes_stay_close() -> None:
+    # block size 8: decodes cannot take the 16-key chunk kernel and dequantize instead
+    seqs = [(1, 9), (1, 300), (3, 40)]
+    q, out, kf, vf, table, lens, qstart = _run(seqs, 9, 3, 64, 8, torch.float32, seed=5,
+                                               num_decodes=2)
+    want, _ = ref.paged_attention(q.float(), kf, vf, table, lens, qstart, 64**-0.5)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)

@@ -109,8 +109,24 @@ def test_int8_kv_matches_hf_on_an_int8_cache(tiny_models, model: str, regime: st
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.token_ids == w, f"prompt {i} (len {len(prompts[i])}) diverged"
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    if regime == "one-big-batch":  # 6 sequences: every decode step ran compiled
+        assert llm.engine.runner.cpu_step.steps == GREEDY.max_tokens - 1
     if regime == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
+    llm.close()
+
+
+def test_int8_kv_compiled_step_splits_a_long_context_and_matches_hf(tiny_models) -> None:
+    """One sequence past 1,024 tokens: the compiled decode step splits its context into
+    parts (integer kernel per part) and merges them by log-sum-exp."""
+    cfg = dict(MODELS["d64-gqa"], max_position_embeddings=2048)
+    path = tiny_models("llama", 8, **cfg)
+    llm = LLM(model=str(path), dtype="float32", kv_cache_dtype="int8", debug=True)
+    prompt = random_prompts(1, 1500, 1500, 320, seed=41)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    want = hf_greedy_q8(path, prompt, 6, decode_queries_int8(64, 2, 16))
+    assert [o.token_ids for o in llm.generate(prompt, params)] == want
+    assert llm.engine.runner.cpu_step.steps == 5
     llm.close()
 
 

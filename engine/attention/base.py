@@ -114,6 +114,7 @@ class PagedMetadata:
     block_table: torch.Tensor  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor  # [num_seqs] int32: context after this step
     query_start: torch.Tensor  # [num_seqs + 1] int32
+    num_decodes: int = 0  # sequences [0, num_decodes) are decode steps
 
 
 BACKENDS = ("cpu", "cuda", "triton-interpret")

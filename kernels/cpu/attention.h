@@ -46,6 +46,9 @@ struct AttnShape {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, num_blocks, max_blocks;
   int64_t q_stride, out_stride;  // elements between consecutive tokens
   float scale;
+  // sequences [0, num_decodes) are decode steps (a q8 cache sends their queries through
+  // int8; attention_q8.h); the rest are prefill chunks, whatever their length
+  int64_t num_decodes = std::numeric_limits<int64_t>::max();
 };
 
 // Per-thread scratch of one work item.

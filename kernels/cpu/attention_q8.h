@@ -72,9 +72,10 @@ void attend_item(const AttnItem& it, const T* q, const uint8_t* kc, const uint8_
   const int64_t last = std::min<int64_t>(it.key_end, pos0 + ntok);
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if constexpr (D % 64 == 0) {
-    // decodes only (a sequence with one query token), not a chunk's one-token tail: the
-    // queries that go through int8 are exactly the decode steps' (kernels/reference.py)
-    if (q_len == 1 && G <= 8 && sh.block_size % kLanes == 0 && it.key_begin % kLanes == 0) {
+    // decode steps only (AttnShape::num_decodes), not a prefill chunk of one token: the
+    // queries that go through int8 are exactly the decode steps'
+    if (q_len == 1 && it.seq < sh.num_decodes && G <= 8 && sh.block_size % kLanes == 0 &&
+        it.key_begin % kLanes == 0) {
       attend_decode_q8<ND>(it, q, kc, vc, table, last, q_row0 + it.tok_begin, sh, w, after);
       return;
     }
@@ -179,13 +180,12 @@ void attend_decode_q8(const AttnItem& it, const T* q, const uint8_t* kc, const u
     const float s = hmax(amax) / kQ8Max, div = s > 0.0f ? s : 1.0f;
     int32_t sum = 0;
     for (int j = 0; j < NQ; ++j) {
-      __m512i v = _mm512_setzero_si512();
+      alignas(64) __m128i parts[4];  // 64 codes, then one load (no lane-indexed inserts)
       for (int u = 0; u < 4; ++u) {
-        const __m128i c = q8_codes16(x[4 * j + u], div);
-        sum += _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(c));
-        v = _mm512_inserti32x4(v, c, u);
+        parts[u] = q8_codes16(x[4 * j + u], div);
+        sum += _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(parts[u]));
       }
-      qv[r][j] = v;
+      qv[r][j] = _mm512_load_si512(parts);
     }
     qscale[r] = s * sh.scale;
     qbias[r] = 128 * sum;

@@ -41,8 +41,9 @@ inline f32x16 round_even(f32x16 x) {
 }
 
 // Codes and scale of one row of d values (d % 16 == 0); `bias` is 128 for K, 0 for V.
+// `scale` points at the row's 4 scale bytes (no alignment assumed).
 template <typename T>
-inline void q8_store_row(const T* x, int64_t d, uint8_t* codes, float* scale, int bias) {
+inline void q8_store_row(const T* x, int64_t d, uint8_t* codes, uint8_t* scale, int bias) {
   f32x16 amax = splat(0.0f);
   for (int64_t i = 0; i < d; i += kLanes) {
     const f32x16 v = load16(x + i);
@@ -57,7 +58,7 @@ inline void q8_store_row(const T* x, int64_t d, uint8_t* codes, float* scale, in
     const i32x16 u = __builtin_convertvector(c, i32x16) + bias;
     for (int k = 0; k < kLanes; ++k) codes[i + k] = static_cast<uint8_t>(u[k] & 0xFF);
   }
-  *scale = s;
+  std::memcpy(scale, &s, sizeof(s));
 }
 
 // 16 codes from a row as fp32 (not yet times the scale).
@@ -115,10 +116,8 @@ struct Q8KV {
   template <typename T>
   void store(int64_t h, int64_t slot, const T* kr, const T* vr) const {
     const int64_t blk = lay.block_offset(h, slot / lay.block_size), off = slot % lay.block_size;
-    q8_store_row(kr, lay.head_dim, k + blk + lay.codes(off),
-                 reinterpret_cast<float*>(k + blk + lay.scale(off)), 128);
-    q8_store_row(vr, lay.head_dim, v + blk + lay.codes(off),
-                 reinterpret_cast<float*>(v + blk + lay.scale(off)), 0);
+    q8_store_row(kr, lay.head_dim, k + blk + lay.codes(off), k + blk + lay.scale(off), 128);
+    q8_store_row(vr, lay.head_dim, v + blk + lay.codes(off), v + blk + lay.scale(off), 0);
   }
 };
 

@@ -56,7 +56,8 @@ void attention_by_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale) {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
+                     int64_t num_decodes) {
   check(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
   const bool q8 = k_cache.scalar_type() == at::kByte;
   check(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -90,6 +91,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   AttnShape sh{heads, kvh, heads / kvh, d, bs, k_cache.size(1),
                block_table.size(1), q.stride(0), out.stride(0), static_cast<float>(scale)};
   check(sh.group <= kMaxRows, "GQA group too large");
+  if (num_decodes >= 0) sh.num_decodes = num_decodes;
   if (q.scalar_type() == at::kFloat)
     attention_by_dim<float>(out, q, k_cache, v_cache, block_table, seq_lens, query_start, sh);
   else if (q.scalar_type() == at::kBFloat16)
@@ -263,7 +265,6 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
   }
   for (size_t i = 0; i < linears.size(); ++i) {
     const at::Tensor& w = linears[i];
-    const bool q8 = w.scalar_type() == at::kChar;
     const bool w8 = w.scalar_type() == at::kChar;
     check(w.dim() == 2 && w.is_contiguous() && (w8 || w.scalar_type() == act) &&
               w.size(1) % kLanes == 0,
@@ -439,7 +440,8 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
 
 TORCH_LIBRARY(tidewire, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale) -> ()",
+        "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, "
+        "int num_decodes=-1) -> ()",
         &tw::paged_attention);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
         "bool add) -> ()", &tw::rms_norm);
