@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint fuzz serve bench clean
+.PHONY: install system-deps test lint fuzz soak serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -48,6 +48,10 @@ test: install
 fuzz: install
 	TIDEWIRE_WS_FUZZ_FRAMES=10000 TIDEWIRE_FUZZ_EXAMPLES=300 \
 		$(VPY) -m pytest -rs -s tests/test_ws_fuzz.py tests/test_openapi.py
+
+# the soak: every socket role against a real server for 30 minutes (make test: 60 s)
+soak: install
+	TIDEWIRE_SOAK_SECONDS=1800 $(VPY) -m pytest -rs -s tests/test_bench_load.py
 
 # ruff over the Python trees, mypy over the public API packages (config: pyproject.toml)
 lint: install

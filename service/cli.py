@@ -518,6 +518,8 @@ BENCHES = {  # subcommand -> one-line help
                "without a GPU)",
     "http": "chat-64 against any OpenAI-compatible server (Tidewire, llama.cpp, vLLM): TTFT, "
             "inter-chunk gaps, output tok/s",
+    "load": "mixed WebSocket/SSE load from separate processes: sockets held, outcomes, "
+            "TTFT and delivery, server RSS/fds over time, KV blocks back (--duration: a soak)",
     "sampling": "judged questions at several temperatures: how a model's default sampling "
                 "was chosen",
     "accuracy": "teacher-forced agreement with HF fp32 of bf16, int8 KV cache and int8 "

@@ -56,6 +56,7 @@ class Gateway:
         self.token_budget = TokenBudget(tpm) if tpm > 0 and config.api_keys else None
         self.accepting = True
         self.sessions: set = set()  # open WebSocket sessions (service.session.Session)
+        self._by_id: dict[str, Any] = {}  # the same, by session id
         # requests of dropped sockets, parked for a resume (service/resume.py)
         self.parked = ParkedRequests(config.limits, engine, metrics,
                                      lambda live: self.release(live.adm, "abort"))
@@ -69,6 +70,18 @@ class Gateway:
             engine.sampling_defaults if config.sampling_defaults == "model" else {})
 
     # -- auth ------------------------------------------------------------------------------
+
+    def open_session(self, session_id: str) -> Any:
+        """The open WebSocket session with this id, if any (service.session.Session)."""
+        return self._by_id.get(session_id)
+
+    def add_session(self, session: Any) -> None:
+        self.sessions.add(session)
+        self._by_id[session.session_id] = session
+
+    def remove_session(self, session: Any) -> None:
+        self.sessions.discard(session)
+        self._by_id.pop(session.session_id, None)
 
     def authenticate(self, authorization: str | None,
                      subprotocols: Sequence[str] = ()) -> Principal:

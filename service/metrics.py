@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest)
+                               ProcessCollector, generate_latest)
 
 if TYPE_CHECKING:
     from engine.stats import EngineStats
@@ -18,6 +18,8 @@ _DELIVERY = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        # process_resident_memory_bytes, process_open_fds, CPU seconds (Linux /proc)
+        ProcessCollector(registry=r)
         self.ttft = Histogram("tidewire_time_to_first_token_seconds", "Arrival to first token",
                               buckets=_LATENCY, registry=r)
         self.itl = Histogram("tidewire_inter_token_latency_seconds", "Gap between deltas",

@@ -15,7 +15,9 @@ key sends `resume {id, after_seq, session_id}`; it gets `resumed`, then one delt
 sample with everything after `after_seq` (merged, as under backpressure), and the
 request, requeued, goes on streaming where it stopped: its KV is recomputed, mostly from
 the prefix cache. A request that finished while its done frame was unsent is replayed
-the same way."""
+the same way, and so is one whose done was written in the last RECENT_DONE_SECONDS
+(at most RECENT_DONES per socket): written to the transport is not received, and a
+connection that dies takes what was in flight with it."""
 
 from __future__ import annotations
 
@@ -32,10 +34,18 @@ from service.delivery import Live, Timings, done_frame, replay, step_frames
 from service.gateway import Gateway, Principal
 from service.origins import origin_allowed
 from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, Generate,
-                              ProtocolError, parse_generate, parse_resume, parse_warm,
+                              ProtocolError, Resume, parse_generate, parse_resume, parse_warm,
                               request_id)
 from service import tools as tool_calls
 from service.sender import Sender
+
+# How long, and for how many requests, a socket keeps its ended requests resumable after
+# their done was written (see the module docstring).
+RECENT_DONE_SECONDS = 10.0
+RECENT_DONES = 64
+# How long a resume naming a session whose socket is still open here waits for it to close
+# (a client that reconnects at once can be ahead of the server noticing the drop).
+RESUME_WAIT_SECONDS = 5.0
 
 
 class Session:
@@ -44,13 +54,18 @@ class Session:
         self.limits = gateway.config.limits
         self.live: dict[str, Live] = {}
         self.unsent: dict[str, Live] = {}  # ended, but the done frame is not written yet
+        # ended, done written lately (by when): a frame written to the transport may still
+        # die with the connection, so a drop keeps these resumable too (RECENT_DONES)
+        self.recent: dict[str, tuple[Live, float]] = {}
         self.dropped = False  # the client went away (rather than us closing the socket)
         self._log_tokens = gateway.log_tokens  # bound once: called per stream per step
         self.sender = Sender(ws, codec, self.limits, self._pull, self._delivered,
                              gateway.log_delivery)
         self.warms: set[asyncio.Task[None]] = set()
         self.compiling: set[asyncio.Task[None]] = set()  # generates waiting for a compile
+        self.resuming: set[asyncio.Task[None]] = set()  # resumes waiting for a socket to close
         self.session_id = uuid.uuid4().hex
+        self.closed = asyncio.Event()  # set once this socket's requests are parked or ended
 
     async def run(self) -> None:
         tasks = [asyncio.create_task(self.sender.run()), asyncio.create_task(self._watchdog())]
@@ -62,6 +77,7 @@ class Session:
             await self._reader()
         finally:
             self._close_all()
+            self.closed.set()
             self.sender.close()
             tasks[1].cancel()
             for t in tasks:
@@ -85,7 +101,11 @@ class Session:
 
     def _delivered(self, live: Live) -> None:
         if live.ended and self.unsent.get(live.rid) is live:
-            del self.unsent[live.rid]  # its done is written: nothing left to resume
+            del self.unsent[live.rid]  # its done is written to the transport
+            self.recent.pop(live.rid, None)
+            self.recent[live.rid] = (live, time.monotonic())
+            if len(self.recent) > RECENT_DONES:
+                del self.recent[next(iter(self.recent))]
 
     async def _watchdog(self) -> None:
         """A send blocked past the timeout means the client is not reading: abort its
@@ -292,6 +312,30 @@ class Session:
     def _resume(self, msg: dict[str, Any]) -> None:
         r = parse_resume(msg)
         self._check_room(r.id)
+        old = self.gw.open_session(r.session_id)
+        if old is not None and old is not self and old.principal.key == self.principal.key:
+            # The client reconnected before this server saw its old socket close (its
+            # requests are not parked yet): the resume waits for that close.
+            task = asyncio.create_task(self._resume_after_close(old, r))
+            self.resuming.add(task)
+            task.add_done_callback(self.resuming.discard)
+            return
+        self._reattach(r)
+
+    async def _resume_after_close(self, old: Session, r: Resume) -> None:
+        try:
+            try:
+                await asyncio.wait_for(old.closed.wait(), RESUME_WAIT_SECONDS)
+            except asyncio.TimeoutError:
+                raise ProtocolError("invalid_request", f"session {r.session_id!r} is still open "
+                                    "on another socket: resume it after that one closes",
+                                    r.id) from None
+            self._check_room(r.id)
+            self._reattach(r)
+        except ProtocolError as e:
+            self._error(e)
+
+    def _reattach(self, r: Resume) -> None:
         live = self.gw.parked.reattach(r.session_id, self.principal.key, r.id, r.after_seq)
         self._frame({"type": "resumed", "id": r.id, "after_seq": r.after_seq})
         for frame in replay(live, r.after_seq):
@@ -308,13 +352,21 @@ class Session:
         """Our side of the socket is done. If the client dropped, its unfinished
         requests are parked for a resume (blocks freed next step); otherwise, or past
         the limits, they are aborted (blocks freed next step)."""
-        for t in (*self.warms, *self.compiling):
+        for t in (*self.warms, *self.compiling, *self.resuming):
             t.cancel()
         for live in self.live.values():
             live.adm.stream.listener = None
             live.queued = False
         self.sender.discard()  # markers and frames for a dead socket
-        keep = {**self.unsent, **self.live} if self.dropped else {}
+        keep: dict[str, Live] = {}
+        if self.dropped:  # unfinished first: they go first when the parking space runs out
+            keep = dict(self.live)
+            for rid, live in self.unsent.items():
+                keep.setdefault(rid, live)
+            since = time.monotonic() - RECENT_DONE_SECONDS
+            for rid, (live, when) in self.recent.items():
+                if when >= since:
+                    keep.setdefault(rid, live)
         refused = (self.gw.parked.detach(self.session_id, self.principal.key, keep,
                                          self.gw.accepting) if keep else [])
         for live in (refused if self.dropped else list(self.live.values())):
@@ -323,6 +375,7 @@ class Session:
                 self._forget(live, "abort")
         self.live.clear()
         self.unsent.clear()
+        self.recent.clear()
 
 
 def choose_subprotocol(offered: list[str]) -> str | None:
@@ -352,11 +405,11 @@ async def websocket_endpoint(ws: WebSocket) -> None:
     sub = choose_subprotocol(offered) or SUBPROTOCOL_JSON
     await ws.accept(subprotocol=sub if sub in offered else None)  # never echo the auth key
     session = Session(ws, Codec(sub), gw, principal)
-    gw.sessions.add(session)
+    gw.add_session(session)
     gw.metrics.connections.inc()
     try:
         await session.run()
     finally:
-        gw.sessions.discard(session)
+        gw.remove_session(session)
         gw.metrics.connections.dec()
 

@@ -691,3 +691,80 @@ async def test_without_resume_a_drop_aborts(tiny_models) -> None:
         async with ws:
             await c.send({"type": "resume", "id": "a", "after_seq": 1, "session_id": sid})
             assert (await c.recv())["code"] == "invalid_request"
+
+
+async def test_a_resume_ahead_of_the_old_sockets_close_waits_for_it(tiny_models,
+                                                                     monkeypatch) -> None:
+    """A client that reconnects at once can send its resume before this server has seen
+    the old socket close: the resume waits for that close (then reattaches), and gives
+    up with invalid_request when the old socket stays open."""
+    import service.session
+
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           limits=Limits(resume_grace=30))
+    with run_server(config) as s:
+        old, c_old = await open_client(s)
+        sid = c_old.ready["session_id"]
+        await c_old.send({"type": "generate", "id": "a", "prompt_token_ids": [5, 6, 7],
+                          "params": {"max_tokens": 40, "ignore_eos": True}})
+        seq = 0
+        while seq < 2:
+            m = await c_old.recv()
+            seq = m.get("seq", seq) if m["type"] == "delta" else seq
+        ws, c = await open_client(s)
+        async with ws:
+            # the old socket is still open: the resume is held, not refused
+            await c.send({"type": "resume", "id": "a", "after_seq": seq, "session_id": sid})
+            await c.send({"type": "ping", "t": 1})
+            assert (await c.recv())["type"] == "pong"  # (nothing came back for the resume yet)
+            await old.close()
+            msgs = await c.until_done({"a"})
+            assert msgs[0] == {"type": "resumed", "id": "a", "after_seq": seq}
+            assert [m["type"] for m in msgs].count("done") == 1
+            assert msgs[-1]["status"] == "completed"
+            assert msgs[-1]["usage"]["completion_tokens"] == 40
+        # an old socket that never closes: the resume gives up after the wait
+        monkeypatch.setattr(service.session, "RESUME_WAIT_SECONDS", 0.3)
+        old, c_old = await open_client(s)
+        async with old:
+            sid = c_old.ready["session_id"]
+            await c_old.send({"type": "generate", "id": "b", "prompt_token_ids": [5, 6],
+                              "params": {"max_tokens": 900, "ignore_eos": True}})
+            ws, c = await open_client(s)
+            async with ws:
+                await c.send({"type": "resume", "id": "b", "after_seq": 0, "session_id": sid})
+                err = await c.recv()
+                assert err["code"] == "invalid_request" and "still open" in err["message"]
+                assert err["id"] == "b"
+            await c_old.send({"type": "cancel", "id": "b"})
+            await c_old.until_done({"b"})
+        await wait_free(s)
+
+
+async def test_a_done_written_just_before_a_drop_can_be_resumed(tiny_models) -> None:
+    """A done frame written to the transport may die with the connection: for a while
+    after it, the request stays resumable from a socket that drops, and a resume replays
+    all of it and its done."""
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           limits=Limits(resume_grace=30))
+    with run_server(config) as s:
+        ws, c = await open_client(s)
+        sid = c.ready["session_id"]
+        await c.send({"type": "generate", "id": "s", "prompt_token_ids": [5, 6, 7],
+                      "params": {"max_tokens": 5, "ignore_eos": True}})
+        session = next(x for x in s.gateway.sessions if x.session_id == sid)
+        deadline = asyncio.get_running_loop().time() + 30
+        while "s" not in session.recent:  # its done is written; this client never reads it
+            assert asyncio.get_running_loop().time() < deadline, "never finished"
+            await asyncio.sleep(0.01)
+        await ws.close()
+        await wait_free(s)
+        ws, c = await open_client(s)
+        async with ws:
+            await c.send({"type": "resume", "id": "s", "after_seq": 0, "session_id": sid})
+            msgs = await c.until_done({"s"})
+            assert msgs[0]["type"] == "resumed"
+            deltas = [m for m in msgs if m["type"] == "delta"]
+            assert len(sum((d["token_ids"] for d in deltas), [])) == 5
+            assert [m["type"] for m in msgs].count("done") == 1
+            assert msgs[-1]["status"] == "completed"
