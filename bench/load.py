@@ -48,7 +48,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "`tidewire serve` on a free port with the flags below")
     p.add_argument("--api-key", default=None, help="Bearer key for --url")
     p.add_argument("--model", default="smollm2-135m", help="the started server's model")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="the started server's weights (auto: bfloat16 where the CPU has "
+                        "AVX512-BF16/AMX, else float32)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="the started server's batch")
     p.add_argument("--kv-tier", default="memory", choices=["memory", "none"],
                    help="the started server's host tier (its size: TIDEWIRE_KV_TIER_MEMORY_GB; "
