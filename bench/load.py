@@ -73,7 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between samples of the timeline (server RSS, fds, sockets)")
     p.add_argument("--warmup", type=float, default=0.2,
                    help="share of the run before the RSS baseline of the drift figure")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the socket roles and of each client process's prompts and lengths")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", type=Path, default=None, help="PNG timeline (matplotlib)")
 
