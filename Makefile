@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint fuzz soak serve bench clean
+.PHONY: install system-deps test lint fuzz chaos soak serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -48,6 +48,12 @@ test: install
 fuzz: install
 	TIDEWIRE_WS_FUZZ_FRAMES=10000 TIDEWIRE_FUZZ_EXAMPLES=300 \
 		$(VPY) -m pytest -rs -s tests/test_ws_fuzz.py tests/test_openapi.py
+
+# the chaos suite at full length (make test runs its short form): Redis killed, slow,
+# cutting connections and corrupt; 500-socket disconnect storms; SIGTERM under load; an
+# engine exception mid-step
+chaos: install
+	TIDEWIRE_CHAOS_FULL=1 $(VPY) -m pytest -rs -s tests/chaos
 
 # the soak: every socket role against a real server for 30 minutes (make test: 60 s)
 soak: install

@@ -73,5 +73,9 @@ class KVTier(ABC):
         """"ok", or a word saying why the tier is not being used right now."""
         return "ok"
 
+    def breaker_trips(self) -> int:
+        """Times the tier's circuit breaker opened (0 for a tier without one)."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the tier is not used afterwards."""

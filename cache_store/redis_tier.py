@@ -152,5 +152,8 @@ class RedisTier(KVTier):
     def state(self) -> str:
         return "ok" if self.breaker.state == "closed" else f"breaker_{self.breaker.state}"
 
+    def breaker_trips(self) -> int:
+        return self.breaker.trips
+
     def close(self) -> None:
         self._client.close()

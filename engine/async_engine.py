@@ -10,6 +10,7 @@ callback per token.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import queue
@@ -280,8 +281,9 @@ class AsyncEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams,
                     request_id: str | None = None, salt: bytes = b"") -> RequestStream:
         """Validate and enqueue; raises ValueError for a bad prompt or parameters."""
-        if not self.running:
-            raise RuntimeError("engine is not running")
+        if not self.running or self.dead is not None:
+            raise RuntimeError("engine is not running"
+                               + (f" (its thread died: {self.dead!r})" if self.dead else ""))
         req = self.engine.make_request(prompt, params, request_id, salt)
         if req.request_id in self._streams:
             raise ValueError(f"duplicate request id {req.request_id!r}")
@@ -526,14 +528,29 @@ class AsyncEngine:
                 gc.enable()
 
     def _fail_all(self, message: str) -> None:
-        """Finish every known stream with an error, including ones still in the inbox."""
-        outs = self.engine.abort(self.engine.request_ids(), RequestStatus.FINISHED_ERROR)
-        known = {(o.request_id, o.index) for o in outs}
-        for rid, stream in list(self._streams.items()):  # e.g. still in the inbox
-            outs += [StepOutput(request_id=rid, new_token_ids=[], finished=True,
-                                finish_reason="error", index=i)
-                     for i in range(len(stream.output.outputs))
-                     if (rid, i) not in known and i not in stream.done_indexes]
+        """(Engine thread, which then exits.) Finish every request the engine holds with
+        an error, then, on the loop, every stream still unfinished (ones in the inbox):
+        `dead` is set by then, so add_request refuses anything newer, and the sweep
+        running on the loop cannot miss a stream added concurrently."""
+        try:
+            outs = self.engine.abort(self.engine.request_ids(), RequestStatus.FINISHED_ERROR)
+        except Exception:  # noqa: BLE001 - the engine's state may be what broke
+            log.exception("aborting the engine's requests failed")
+            outs = []
         for o in outs:
             o.error = message
         self._publish(outs)
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(self._fail_streams, message)
+
+    def _fail_streams(self, message: str) -> None:
+        """On the loop, after the engine thread died: everything it published goes out
+        first, then each stream still open gets an error output per unfinished sample."""
+        self._take_outbox()
+        outs = [StepOutput(request_id=rid, new_token_ids=[], finished=True,
+                           finish_reason="error", index=i, error=message)
+                for rid, stream in list(self._streams.items())
+                for i in range(len(stream.output.outputs)) if i not in stream.done_indexes]
+        if outs:
+            self._dispatch(outs)

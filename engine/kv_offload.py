@@ -115,6 +115,7 @@ class KVOffload:
         hashes = req.block_hashes[num_device_blocks:num_full]
         keys = [tier_key(self.fingerprint, h) for h in hashes]
         if self.tier.local and not self.tier.lookup(keys[:1]):
+            self._forget(hashes)
             return False  # in-process: a miss costs nothing, skip the LOADING round
         job = LoadJob(req, num_device_blocks, hashes, keys,
                       time.monotonic() + self.config.load_timeout)
@@ -141,6 +142,7 @@ class KVOffload:
             self._waited += time.monotonic() - t0
         if job.looked_up.is_set() and job.found == 0:
             job.cancelled = True
+            self._forget(job.hashes)
             return True
         return False
 
@@ -153,6 +155,8 @@ class KVOffload:
             elif now > job.deadline:
                 job.cancelled = True
                 self.stats.load_timeouts += 1
+                if job.found >= 0:
+                    self._forget(job.hashes[job.found:])
             else:
                 continue
             del self._loads[rid]
@@ -178,6 +182,7 @@ class KVOffload:
             if pool.lookup(h) is None:  # (another request may have computed it meanwhile)
                 todo.append((h, payload))
         job.req.num_host_cached_tokens = len(job.payloads or ()) * self.kv.block_size
+        self._forget(job.hashes[len(job.payloads or ()):])
         # Hold the prefix already on the device: it is the oldest free memory, the first
         # thing the allocation below would evict, breaking the chain it continues.
         held = []
@@ -270,6 +275,14 @@ class KVOffload:
         self._captured.append((hashes, self.runner.snapshot_blocks(block_ids)))
         for h in hashes:
             self._remember(h)
+
+    def _forget(self, hashes: list[bytes]) -> None:
+        """The tier turned out not to have these (a lookup or a load missed them: Redis
+        restarted or evicted them, a write was lost while it was down): write them
+        again the next time they are evicted or computed."""
+        known = self._known
+        for h in hashes:
+            known.pop(h, None)
 
     def _remember(self, h: bytes) -> None:
         known = self._known

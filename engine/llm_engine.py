@@ -503,4 +503,4 @@ class LLMEngine:
 def _tier_counters(t: Any) -> TierCounters:  # a cache_store.base.KVTier
     c = t.stats.as_dict()
     return TierCounters(t.name, c["lookups"], c["hits"], c["misses"], c["puts"], c["errors"],
-                        c["bytes_read"], c["bytes_written"], t.state() != "ok")
+                        c["bytes_read"], c["bytes_written"], t.state() != "ok", t.breaker_trips())

@@ -20,6 +20,7 @@ class TierCounters:
     bytes_read: int = 0
     bytes_written: int = 0
     breaker_open: bool = False
+    breaker_trips: int = 0  # times the breaker opened
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,12 +95,15 @@ async def metrics(request: Request) -> Response:
 
 
 async def drain(gw: Gateway, grace: float) -> None:
-    """Stop accepting, let in-flight streams finish up to `grace` s, then close 1001."""
+    """Stop accepting, let in-flight streams finish up to `grace` s; then end the HTTP
+    requests still running with `overloaded` (an SSE error event, or the error as the
+    response) and close the sockets with 1001 (their clients may resume elsewhere)."""
     gw.accepting = False
     gw.parked.expire_all()  # parked requests of dropped sockets: nobody can resume them now
     deadline = asyncio.get_running_loop().time() + grace
     while gw.inflight_total and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
+    gw.fail_http(ProtocolError("overloaded", "the server is shutting down; retry the request"))
     for session in list(gw.sessions):
         with contextlib.suppress(Exception):
             await session.ws.close(code=1001, reason="server shutting down")

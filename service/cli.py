@@ -346,7 +346,8 @@ def _serve_on(sock: Any, a: argparse.Namespace) -> int:
         api_keys=ServiceConfig.keys_from_env(a.api_keys),
         allowed_origins=tuple(o for o in (a.allowed_origins or "").split(",") if o),
         limits=limits, ws_compression=a.ws_compression,
-        sampling_defaults=a.sampling_defaults, metrics_key=a.metrics_key)
+        sampling_defaults=a.sampling_defaults, metrics_key=a.metrics_key,
+        shutdown_grace=a.shutdown_grace)
     server = build_server(config, a.host, a.port)
     server.run(sockets=[sock])
     return 1 if server.load_error is not None else 0
@@ -439,6 +440,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                  "reconnect to resume them; 0: a disconnect aborts them")
     env_arg(lim, "--max-detached", "MAX_DETACHED", type=int, default=1024,
             help="requests parked for resume server-wide; beyond it a disconnect aborts")
+    env_arg(lim, "--shutdown-grace", "SHUTDOWN_GRACE", type=float, default=10.0,
+            metavar="SECONDS",
+            help="on SIGTERM or SIGINT: how long in-flight streams may go on finishing (no "
+                 "new requests, /ready answers 503) before their sockets close with 1001")
 
 
 # -- models ---------------------------------------------------------------------------------

@@ -37,11 +37,13 @@ class Principal:
         return hashlib.sha256(b"tidewire.tenant:" + self.tenant.encode()).digest() if self.tenant else b""
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Admission:
     stream: RequestStream
     arrival: float
     principal: Principal
+    # set when the server ends the request itself (shutdown): what its client is told
+    failure: ProtocolError | None = None
 
 
 class Gateway:
@@ -56,6 +58,7 @@ class Gateway:
         self.token_budget = TokenBudget(tpm) if tpm > 0 and config.api_keys else None
         self.accepting = True
         self.sessions: set = set()  # open WebSocket sessions (service.session.Session)
+        self.http_inflight: set[Admission] = set()  # requests of the HTTP endpoints
         self._by_id: dict[str, Any] = {}  # the same, by session id
         # requests of dropped sockets, parked for a resume (service/resume.py)
         self.parked = ParkedRequests(config.limits, engine, metrics,
@@ -245,6 +248,14 @@ class Gateway:
             yield adm
         finally:
             self.end(adm)
+
+    def fail_http(self, error: ProtocolError) -> None:
+        """End every HTTP request still in flight with `error` (the end of a shutdown's
+        grace): a stream gets it as an error event, a whole response as its body."""
+        for adm in list(self.http_inflight):
+            adm.failure = error
+            if not adm.stream.finished:
+                self.engine.abort(adm.stream.request_id)
 
     def end(self, adm: Admission, finish_reason: str | None = None) -> None:
         """The end of a request, whatever the way: abort it if it still runs (its reason

@@ -71,6 +71,9 @@ class Metrics:
         self.tier_breaker_open = Gauge("tidewire_kv_tier_breaker_open",
                                        "1 while a tier's circuit breaker is not closed",
                                        ["tier"], registry=r)
+        self.tier_breaker_trips = Gauge("tidewire_kv_tier_breaker_trips",
+                                        "Times a tier's circuit breaker opened (cumulative)",
+                                        ["tier"], registry=r)
 
     def observe_engine(self, st: EngineStats) -> None:
         """Gauges from the engine's last published stats (engine/stats.py)."""
@@ -91,6 +94,7 @@ class Metrics:
             self.tier_bytes.labels(t.name, "read").set(t.bytes_read)
             self.tier_bytes.labels(t.name, "written").set(t.bytes_written)
             self.tier_breaker_open.labels(t.name).set(1 if t.breaker_open else 0)
+            self.tier_breaker_trips.labels(t.name).set(t.breaker_trips)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -53,11 +53,18 @@ def error_response(e: ProtocolError) -> JSONResponse:
 def error_json(status: int, code: str, message: str,
                headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error body: {"error": {message, type, param, code}}."""
+    return JSONResponse(_body_of(status, code, message), status_code=status, headers=headers)
+
+
+def _body_of(status: int, code: str, message: str) -> dict[str, Any]:
     kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             405: "invalid_request_error", 413: "invalid_request_error",
             429: "rate_limit_error"}.get(status, "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
-                                   "code": code}}, status_code=status, headers=headers)
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _error_body(e: ProtocolError) -> dict[str, Any]:
+    return _body_of(HTTP_STATUS.get(e.code, 400), e.code, e.message)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -281,6 +288,7 @@ def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
     try:
         for i, prompt in enumerate(prompts):
             adm = gw.submit(principal, params, None, prompt, messages, tools=template_tools)
+            gw.http_inflight.add(adm)
             jobs.append(_Job(adm, i * params.n,
                              _echo_text(gw, adm, prompt) if echo else None,  # type: ignore[arg-type]
                              params.logprobs is not None))
@@ -322,7 +330,22 @@ def _end(gw: Gateway, jobs: list[_Job]) -> None:
     """Release every prompt's admission, aborting one still running (the client went
     away, or a sibling prompt was refused)."""
     for job in jobs:
+        gw.http_inflight.discard(job.adm)
         gw.end(job.adm)
+
+
+def _failure(jobs: list[_Job]) -> ProtocolError | None:
+    """Why the request failed, if it did: the server ended it (shutdown), or the engine
+    failed one of its prompts (internal_error)."""
+    for job in jobs:
+        if job.adm.failure is not None:
+            return job.adm.failure
+    for job in jobs:
+        last = job.last
+        if last is not None and any(o.finish_reason == "error" for o in last.outputs):
+            return ProtocolError("internal_error", last.error
+                                 or "the engine failed the request")
+    return None
 
 
 async def _outputs(jobs: list[_Job]) -> AsyncIterator[tuple[_Job, RequestOutput]]:
@@ -462,6 +485,10 @@ async def _whole(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool
             job.timings.token(len(last.new_token_ids), gw.log_tokens)
     finally:
         _end(gw, jobs)
+    failed = _failure(jobs)
+    if failed is not None:
+        gw.metrics.errors.labels(failed.code).inc()
+        return error_response(failed)
     tok = gw.engine.tokenizer
     choices = [_choice(job, o, chat, tok, table, tools) for job in jobs
                for o in job.last.outputs]  # type: ignore[union-attr]  # every job has ended
@@ -524,6 +551,8 @@ async def _sse(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
         async for job, last in _outputs(jobs):
             job.timings.token(len(last.new_token_ids), gw.log_tokens)
             done = last.outputs[last.index].finish_reason
+            if done and (done == "error" or job.adm.failure is not None):
+                continue  # the error event below ends the stream instead
             if not (last.delta_text or last.new_token_ids or done):
                 continue
             c: dict[str, Any] = {"index": job.base + last.index, "finish_reason": _finish(done)}
@@ -546,6 +575,13 @@ async def _sse(gw: Gateway, jobs: list[_Job], meta: dict[str, Any], chat: bool,
             # the response asks for the next chunk once this one's send has returned
             if sampled:
                 gw.log_sse_delivery(time.monotonic() - sampled)
+        failed = _failure(jobs)
+        if failed is not None:
+            # OpenAI's mid-stream error: an event whose data is the error body (the
+            # openai SDKs raise it as APIError), and no [DONE]
+            gw.metrics.errors.labels(failed.code).inc()
+            yield f"data: {json.dumps(_error_body(failed))}\n\n"
+            return
         if include_usage:
             yield _chunk(meta, chat, [], _usage(jobs))
         yield "data: [DONE]\n\n"

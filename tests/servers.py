@@ -158,3 +158,68 @@ class RedisServer:
         import redis
 
         return redis.Redis.from_url(self.url)
+
+
+class ServeProcess:
+    """`tidewire serve` in a process of its own on a free port (what an operator runs:
+    signals, exit status and stderr are real). `args` are its flags past --port."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        import os
+
+        self.args, self.port = list(args), free_port()
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/ws"
+        self.proc = None
+        self._log = None
+
+    def start(self, timeout: float = 180.0) -> ServeProcess:
+        import subprocess
+        import sys
+        import tempfile
+
+        self._log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), *self.args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout
+        while http_get_quiet(self.url + "/ready") != 200:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"tidewire serve did not become ready:\n{self.log()[-3000:]}")
+            time.sleep(0.1)
+        return self
+
+    def log(self) -> str:
+        assert self._log is not None
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def http_get_quiet(url: str) -> int | None:
+    """The status of a GET, or None when nothing answers."""
+    try:
+        return http_get(url)[0]
+    except OSError:
+        return None
