@@ -15,7 +15,7 @@ from typing import Any
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-FRAMES = {"ready", "start", "delta", "done", "error", "pong", "warmed"}
+FRAMES = {"ready", "queued", "start", "delta", "done", "error", "pong", "warmed", "resumed"}
 
 
 @dataclass
@@ -54,7 +54,7 @@ def check_frame(streams: dict[str, Stream], m: dict[str, Any]) -> None:
     if kind not in FRAMES:
         raise Violation(f"unknown frame {m!r}")
     rid = m.get("id")
-    if kind in ("ready", "pong", "warmed") or (kind == "error" and rid not in streams):
+    if kind in ("ready", "pong", "warmed", "resumed") or (kind == "error" and rid not in streams):
         if kind == "error" and rid is not None:
             raise Violation(f"an error for an id never sent: {m!r}")
         return
@@ -63,7 +63,10 @@ def check_frame(streams: dict[str, Stream], m: dict[str, Any]) -> None:
         raise Violation(f"a {kind} frame for an id never sent: {m!r}")
     if s.done is not None:
         raise Violation(f"a {kind} frame after {rid}'s done: {m!r}")
-    if kind == "start":
+    if kind == "queued":
+        if s.start is not None:
+            raise Violation(f"{rid} queued after its start")
+    elif kind == "start":
         if s.start is not None or s.seq:
             raise Violation(f"a second start, or a start after deltas, for {rid}")
         s.start = m

@@ -43,7 +43,7 @@ async def open_streams(ws_url: str, n: int) -> list:
                                              "ignore_eos": True}}))
         while True:
             m = json.loads(await ws.recv())
-            assert m["type"] in ("start", "delta"), m
+            assert m["type"] in ("queued", "start", "delta"), m
             if m["type"] == "delta":
                 return ws
 

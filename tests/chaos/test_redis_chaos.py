@@ -133,16 +133,16 @@ async def test_redis_killed_mid_run_and_restarted(workload, redis_server) -> Non
         assert await load.one_round() > 0  # the fourth round's set comes back from Redis
         runner = asyncio.ensure_future(load.run())
         marks = []
-        for cycle in range(cycles):
+        for _ in range(cycles):
             # kill it while rounds run
             await apoll(lambda: load.rounds >= (marks[-1][1] if marks else SETS) + 2, 60,
                         "two more rounds")
             trips = tier_stats(s).breaker_trips
             await asyncio.to_thread(redis_server.stop)
             killed_at = load.rounds
-            await apoll(lambda: tier_stats(s).breaker_trips > trips, 30, "the breaker to open")
+            await apoll(lambda trips=trips: tier_stats(s).breaker_trips > trips, 30, "the breaker to open")
             assert tier_stats(s).breaker_open
-            await apoll(lambda: load.rounds >= killed_at + 2 * SETS, 60,
+            await apoll(lambda k=killed_at: load.rounds >= k + 2 * SETS, 60,
                         "rounds with Redis down")
             # nothing comes from Redis while it is down (the round running at the kill
             # may have loaded before it)
@@ -153,7 +153,7 @@ async def test_redis_killed_mid_run_and_restarted(workload, redis_server) -> Non
             await asyncio.to_thread(redis_server.start)
             restarted_at = load.rounds
             await apoll(lambda: not tier_stats(s).breaker_open, 30, "the breaker to close")
-            await apoll(lambda: sum(load.host_tokens_by_round[restarted_at:]) > 0, 60,
+            await apoll(lambda r=restarted_at: sum(load.host_tokens_by_round[r:]) > 0, 60,
                         "Redis hits after the restart")
             marks.append((killed_at, restarted_at))
         load.stop.set()
