@@ -17,7 +17,7 @@ import queue
 import socket
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -279,15 +279,22 @@ class AsyncEngine:
     # -- requests (event loop side) ------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams,
-                    request_id: str | None = None, salt: bytes = b"") -> RequestStream:
-        """Validate and enqueue; raises ValueError for a bad prompt or parameters."""
+                    request_id: str | None = None, salt: bytes = b"",
+                    output_token_ids: Sequence[int] = ()) -> RequestStream:
+        """Validate and enqueue; raises ValueError for a bad prompt or parameters.
+        `output_token_ids`: continue a stream begun elsewhere from the tokens it had
+        produced (LLMEngine.make_request); the stream's output starts with them."""
         if not self.running or self.dead is not None:
             raise RuntimeError("engine is not running"
                                + (f" (its thread died: {self.dead!r})" if self.dead else ""))
-        req = self.engine.make_request(prompt, params, request_id, salt)
+        req = self.engine.make_request(prompt, params, request_id, salt, output_token_ids)
         if req.request_id in self._streams:
             raise ValueError(f"duplicate request id {req.request_id!r}")
         stream = RequestStream(req)
+        if req.output_token_ids:
+            first = stream.output.outputs[0]
+            first.token_ids.extend(req.output_token_ids)
+            first.add_text(self.engine.continued_text(req))
         self._streams[req.request_id] = stream
         self._adds_sent += 1
         self._inbox.put(_Add(req))
@@ -462,7 +469,7 @@ class AsyncEngine:
             if isinstance(cmd, _Add):
                 self._adds_taken += 1
                 try:
-                    self.engine.add(cmd.request)
+                    outs.extend(self.engine.add(cmd.request))
                 except ValueError as e:  # e.g. an id still in flight: fail it, keep running
                     r = cmd.request
                     outs.extend(StepOutput(request_id=r.request_id, new_token_ids=[],

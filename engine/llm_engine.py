@@ -13,7 +13,7 @@ import weakref
 from concurrent import futures
 from functools import partial
 from pathlib import Path
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -231,11 +231,24 @@ class LLMEngine:
         return list(out["input_ids"] if isinstance(out, dict) else out)
 
     def make_request(self, prompt: str | list[int], params: SamplingParams,
-                     request_id: str | None = None, salt: bytes = b"") -> Request:
-        """Tokenize and validate (safe to call from any thread)."""
+                     request_id: str | None = None, salt: bytes = b"",
+                     output_token_ids: Sequence[int] = ()) -> Request:
+        """Tokenize and validate (safe to call from any thread). `output_token_ids`: a
+        request that continues a stream begun elsewhere (a resume on another replica):
+        the tokens it already produced, recomputed with the prompt before it samples
+        the next one; n must be 1."""
         ids = self.tokenize(prompt)
         if not ids:
             raise ValueError("prompt is empty")
+        if output_token_ids:
+            if params.n != 1:
+                raise ValueError("only a request with n = 1 can continue from its tokens")
+            if len(output_token_ids) > params.max_tokens:
+                raise ValueError(f"{len(output_token_ids)} tokens already produced, more than "
+                                 f"max_tokens ({params.max_tokens})")
+            vocab = self.arch.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in output_token_ids):
+                raise ValueError(f"token ids must be integers in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -246,6 +259,7 @@ class LLMEngine:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs more KV "
                 f"blocks than the pool has ({self.num_blocks} x {bs} tokens)")
         req = Request(request_id or uuid.uuid4().hex, ids, params, self.eos_token_ids, salt)
+        req.output_token_ids = list(output_token_ids)
         if params.response_format is not None:
             if self.grammars is None:
                 raise ValueError("response_format needs a model with a tokenizer")
@@ -260,11 +274,12 @@ class LLMEngine:
             raise ValueError("response_format needs a model with a tokenizer")
         self.grammars.compile(fmt)
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> list[StepOutput]:
         """Queue a request. With n > 1 it becomes n samples (ids `<id>\x00<i>`): the first
         is admitted now, its siblings once its prompt is computed, so they find every
         full prompt block in the prefix cache and share it (ref counts) instead of
-        recomputing it."""
+        recomputing it. Returns the outputs of a request that ends at once (one that
+        continues from tokens already ending it: max_tokens, EOS, a stop string)."""
         rid = req.request_id
         if rid in self._children:
             raise ValueError(f"duplicate request id {rid!r}")
@@ -273,18 +288,53 @@ class LLMEngine:
         self._children[rid] = [k.request_id for k in kids]
         for k in kids:
             self._detoks[k.request_id] = self._detokenizer(k)
+        if req.output_token_ids:
+            ended = self._continue(req)
+            if ended:
+                return ended
         if n > 1:
             self._siblings[kids[0].request_id] = kids[1:]
         if req.grammar is not None and not req.grammar.done():
             self._compiling.append(kids[0])  # the batch keeps going while it compiles
         else:
-            self._schedule(kids[0])
+            return self._schedule(kids[0])
+        return []
 
-    def _schedule(self, req: Request) -> None:
-        """Into the scheduler's queue, with a matcher for a constrained request."""
+    def _continue(self, req: Request) -> list[StepOutput]:
+        """A request continuing from tokens it produced elsewhere: its detokenizer takes
+        them (their text was sent already); it ends now if they end it."""
+        detok = self._detoks.get(req.request_id)
+        if detok is not None:
+            detok.push(list(req.output_token_ids))
+            if detok.stop_hit is not None:
+                req.stop_reason = detok.stop_hit
+                req.status = RequestStatus.FINISHED_STOPPED
+                return [self._emit(req, [], None)]
+        status = req.check_stop()
+        if status is not None:
+            req.status = status
+            return [self._emit(req, [], None)]
+        return []
+
+    def continued_text(self, req: Request) -> str:
+        """The text a stream had sent for `req.output_token_ids` (what its detokenizer
+        emits for them; safe to call from any thread)."""
+        detok = self._detokenizer(req)
+        return detok.push(list(req.output_token_ids)) if detok is not None else ""
+
+    def _schedule(self, req: Request) -> list[StepOutput]:
+        """Into the scheduler's queue, with a matcher for a constrained request; a
+        continued request whose tokens break its constraint ends (its output returned)."""
         if req.grammar is not None:
             req.matcher = self.grammars.matcher(req.grammar.result())  # type: ignore[union-attr]
+            for t in req.output_token_ids:  # a continued request: its tokens so far
+                if not req.matcher.accept(t):
+                    req.status = RequestStatus.FINISHED_ERROR
+                    out = self._emit(req, [], None)
+                    out.error = "the tokens given do not follow the response_format"
+                    return [out]
         self.scheduler.add(req)
+        return []
 
     def _compiled(self) -> list[StepOutput]:
         """Requests whose constraint has compiled join the queue; those whose compile
@@ -295,7 +345,7 @@ class LLMEngine:
             if not req.grammar.done():
                 still.append(req)
             elif req.grammar.exception() is None:
-                self._schedule(req)
+                outs += self._schedule(req)
             else:
                 log.warning("request %s: %s", req.parent_id, req.grammar.exception())
                 outs += self.abort([req.parent_id], RequestStatus.FINISHED_ERROR)

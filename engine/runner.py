@@ -310,6 +310,10 @@ class ModelRunner:
         if seed is None or s.request.params.greedy:
             return None
         rid = s.request.request_id
-        if rid not in self._generators:  # sample i of an n > 1 request uses seed + i
-            self._generators[rid] = torch.Generator().manual_seed(seed + s.request.index)
-        return self._generators[rid]
+        g = self._generators.get(rid)
+        if g is None:  # sample i of an n > 1 request uses seed + i
+            g = self._generators[rid] = torch.Generator().manual_seed(seed + s.request.index)
+            done = len(s.request.output_token_ids)
+            if done:  # a request continued from its tokens: one draw was spent on each
+                torch.rand(done, generator=g)
+        return g

@@ -111,8 +111,11 @@ class Gateway:
     def submit(self, principal: Principal, params: SamplingParams, request_id: str | None = None,
                prompt: str | list[int] | None = None,
                messages: list[dict[str, Any]] | None = None, warm: bool = False,
-               tools: list[dict[str, Any]] | None = None) -> Admission:
-        """Admit a request or raise ProtocolError (overloaded, invalid, too long...)."""
+               tools: list[dict[str, Any]] | None = None,
+               output_token_ids: Sequence[int] = ()) -> Admission:
+        """Admit a request or raise ProtocolError (overloaded, invalid, too long...).
+        `output_token_ids`: a stream continued here from the tokens its client received
+        (a resume of a request this server does not hold)."""
         lim = self.config.limits
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down", request_id)
@@ -134,7 +137,7 @@ class Gateway:
         ids = self._prompt_ids(prompt, messages, rid, not warm, tools)
         try:
             stream = self.engine.add_request(ids, params, self._engine_id(principal, rid),
-                                             principal.salt)
+                                             principal.salt, output_token_ids)
         except PromptTooLongError as e:
             raise ProtocolError("context_length_exceeded", str(e), request_id) from None
         except ValueError as e:

@@ -54,7 +54,8 @@ class Metrics:
         self.connections = Gauge("tidewire_websocket_connections", "Open sockets", registry=r)
         self.resumes = Counter("tidewire_websocket_resumable_requests", "Requests of dropped "
                                "sockets by outcome: parked (kept for a reconnect), resumed, "
-                               "expired (grace over), refused (over max_detached)", ["outcome"],
+                               "expired (grace over), refused (over max_detached), continued "
+                               "(resumed here from the client's tokens)", ["outcome"],
                                registry=r)
         self.detached = Gauge("tidewire_websocket_parked_requests", "Requests of dropped sockets "
                               "waiting for a resume", registry=r)

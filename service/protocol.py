@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -197,13 +197,20 @@ class Resume:
     id: str
     after_seq: int
     session_id: str
+    # the request itself, to continue it here when this server does not hold it (it ran
+    # on another replica, or before a restart): the generate's fields and the token ids
+    # the client received
+    request: dict[str, Any] | None = None
+    token_ids: list[int] = field(default_factory=list)
 
 
 def parse_resume(msg: dict[str, Any]) -> Resume:
-    """`resume {id, after_seq, session_id}`: session_id is the one the dropped socket's
-    `ready` frame gave; after_seq the last delta seq the client received (0: none)."""
+    """`resume {id, after_seq, session_id, request?, token_ids?}`: session_id is the one
+    the dropped socket's `ready` frame gave; after_seq the last delta seq the client
+    received (0: none); `request` the generate's fields (without type and id) and
+    `token_ids` every token id received, for a server that does not hold the request."""
     rid = request_id(msg)
-    unknown = set(msg) - {"type", "id", "after_seq", "session_id"}
+    unknown = set(msg) - {"type", "id", "after_seq", "session_id", "request", "token_ids"}
     if unknown:
         raise ProtocolError("invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}", rid)
     seq, sid = msg.get("after_seq", 0), msg.get("session_id")
@@ -212,7 +219,16 @@ def parse_resume(msg: dict[str, Any]) -> Resume:
     if not isinstance(sid, str) or not sid or len(sid) > MAX_ID_LEN:
         raise ProtocolError("invalid_request",
                             "session_id (from the dropped socket's ready frame) is required", rid)
-    return Resume(rid, seq, sid)
+    req, toks = msg.get("request"), msg.get("token_ids", [])
+    if req is not None and (not isinstance(req, dict) or {"type", "id"} & set(req)):
+        raise ProtocolError("invalid_request", "request must be the generate's fields, without "
+                            "type and id", rid)
+    if not isinstance(toks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        raise ProtocolError("invalid_request", "token_ids must be a list of integers", rid)
+    if toks and req is None:
+        raise ProtocolError("invalid_request", "token_ids come with request", rid)
+    return Resume(rid, seq, sid, req, toks)
 
 
 def _prompt(msg: dict[str, Any], rid: str) -> str | list[int] | None:

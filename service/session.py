@@ -265,28 +265,38 @@ class Session:
         self.compiling.add(task)
         task.add_done_callback(self.compiling.discard)
 
-    async def _start_compiled(self, g: Generate) -> None:
+    async def _start_compiled(self, g: Generate, cont: Resume | None = None) -> None:
         try:
             try:
                 await self.gw.engine.prepare(g.params)
             except ValueError as e:
                 raise ProtocolError("invalid_request", str(e), g.id) from None
             self._check_room(g.id)
-            self._start(g)
+            self._start(g, cont)
         except ProtocolError as e:
             self._error(e)
 
-    def _start(self, g: Generate) -> None:
+    def _start(self, g: Generate, cont: Resume | None = None) -> None:
+        """Admit a generate. `cont`: a resume continuing it from the tokens its client
+        received (answered `resumed`; the stream goes on from `cont.after_seq`)."""
         ahead = self.gw.queue_position()
         messages, template_tools = g.messages, None
         if messages is not None:
             messages, template_tools = tool_calls.render(messages, g.tools,
                                                          self.gw.engine.template_renders_tools)
         adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, messages,
-                             tools=template_tools)
+                             tools=template_tools,
+                             output_token_ids=cont.token_ids if cont is not None else ())
+        if cont is not None:
+            self.gw.metrics.resumes.labels("continued").inc()
+            self._frame({"type": "resumed", "id": g.id, "after_seq": cont.after_seq})
         if ahead is not None:
             self._frame({"type": "queued", "id": g.id, "position": ahead})
         live = Live(g.id, adm, g.params.logprobs is not None, Timings(adm.arrival), tools=g.tools)
+        if cont is not None:  # the client had its start and after_seq deltas
+            first = adm.stream.output.outputs[0]
+            live.started, live.seq = True, cont.after_seq
+            live.marks = [(0, len(first.token_ids), first.text_len)] * cont.after_seq
         self.live[g.id] = live
         # No output can have arrived yet: dispatch runs on this (the loop) thread.
         adm.stream.listener = partial(self.sender.notify, live)
@@ -336,7 +346,13 @@ class Session:
             self._error(e)
 
     def _reattach(self, r: Resume) -> None:
-        live = self.gw.parked.reattach(r.session_id, self.principal.key, r.id, r.after_seq)
+        try:
+            live = self.gw.parked.reattach(r.session_id, self.principal.key, r.id, r.after_seq)
+        except ProtocolError:
+            if r.request is None:
+                raise
+            self._continue(r)  # not held here: continue it from what the client has
+            return
         self._frame({"type": "resumed", "id": r.id, "after_seq": r.after_seq})
         for frame in replay(live, r.after_seq):
             self._frame(frame)
@@ -347,6 +363,30 @@ class Session:
         self.live[r.id] = live
         live.adm.stream.listener = partial(self.sender.notify, live)
         self.sender.notify(live)  # whatever arrived while it was parked
+
+    def _continue(self, r: Resume) -> None:
+        """A resume this server cannot reattach, carrying its request: a new request
+        under this socket's key, continuing from the token ids the client received
+        (recomputed with the prompt, mostly prefix hits, then sampled as if never
+        interrupted: greedy and seeded output are exactly the uninterrupted run's)."""
+        assert r.request is not None
+        g = parse_generate({**r.request, "type": "generate", "id": r.id}, self.gw.sampling_defaults)
+        if g.tools is not None:
+            raise ProtocolError("invalid_request", "a request with tools can only be resumed "
+                                "on the server that ran it", r.id)
+        if g.params.n != 1:
+            raise ProtocolError("invalid_request", "a request with n > 1 can only be resumed "
+                                "on the server that ran it", r.id)
+        try:
+            ready = self.gw.engine.format_ready(g.params)
+        except ValueError as e:
+            raise ProtocolError("invalid_request", str(e), r.id) from None
+        if ready:
+            self._start(g, r)
+            return
+        task = asyncio.create_task(self._start_compiled(g, r))
+        self.compiling.add(task)
+        task.add_done_callback(self.compiling.discard)
 
     def _close_all(self) -> None:
         """Our side of the socket is done. If the client dropped, its unfinished
