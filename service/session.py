@@ -370,7 +370,8 @@ class Session:
         (recomputed with the prompt, mostly prefix hits, then sampled as if never
         interrupted: greedy and seeded output are exactly the uninterrupted run's)."""
         assert r.request is not None
-        g = parse_generate({**r.request, "type": "generate", "id": r.id}, self.gw.sampling_defaults)
+        body = dict(r.request, id=r.id)  # the generate it was (a message, not a frame)
+        g = parse_generate(body, self.gw.sampling_defaults)
         if g.tools is not None:
             raise ProtocolError("invalid_request", "a request with tools can only be resumed "
                                 "on the server that ran it", r.id)

@@ -18,25 +18,44 @@ from tests.servers import run_server
 JS = Path(__file__).resolve().parents[1] / "clients" / "js"
 
 
+CONFIG = ServiceConfig(engine=EngineConfig(model="smollm2-135m", dtype="float32"),
+                       limits=Limits(max_inflight_per_connection=4),
+                       api_keys={"sk-js": "tenant-js"})
+
+
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    config = ServiceConfig(engine=EngineConfig(model="smollm2-135m", dtype="float32"),
-                           limits=Limits(max_inflight_per_connection=4),
-                           api_keys={"sk-js": "tenant-js"})
-    with run_server(config) as s:
+    with run_server(CONFIG) as s:
         yield s
 
 
-def test_js_sdk_node_suite(server) -> None:
+@pytest.fixture(scope="module")
+def failover_url(server):  # noqa: ANN201
+    """A TCP proxy whose first connection goes to `server` and every later one to a
+    second server (a replica that dies, and a reconnect the balancer sends elsewhere)."""
+    from tests.chaos.proxy import ChaosProxy
+
+    with run_server(CONFIG) as other:
+        port = lambda s: int(s.url.rsplit(":", 1)[1])  # noqa: E731
+        proxy = ChaosProxy(port(server)).start()
+        proxy.targets = [("127.0.0.1", port(server)), ("127.0.0.1", port(other))]
+        try:
+            yield f"ws://127.0.0.1:{proxy.port}/v1/ws"
+        finally:
+            proxy.stop()
+
+
+def test_js_sdk_node_suite(server, failover_url) -> None:
     node = shutil.which("node")
     assert node, "node is not installed"
     assert (JS / "node_modules" / "@msgpack" / "msgpack").exists(), "run `make install`"
-    env = {**os.environ, "TIDEWIRE_URL": server.ws_url, "TIDEWIRE_API_KEY": "sk-js"}
+    env = {**os.environ, "TIDEWIRE_URL": server.ws_url, "TIDEWIRE_API_KEY": "sk-js",
+           "TIDEWIRE_FAILOVER_URL": failover_url}
     out = subprocess.run([node, "--test", "--test-reporter=spec", "test/"], cwd=JS, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert "# fail 0" in out.stdout or "ℹ fail 0" in out.stdout, out.stdout[-3000:]
-    assert "pass 10" in out.stdout, out.stdout[-3000:]  # every test ran
+    assert "pass 11" in out.stdout, out.stdout[-3000:]  # every test ran
     eng = server.engine
     deadline = time.monotonic() + 10
     while eng.has_unfinished() and time.monotonic() < deadline:

@@ -93,9 +93,9 @@ async def test_what_cannot_be_continued_elsewhere_is_refused(two_servers) -> Non
     base = {"type": "resume", "after_seq": 1, "session_id": "gone"}
     cases = {
         "n2": ({"prompt": "hi", "params": {"n": 2, "max_tokens": 4}}, [5], "n > 1"),
-        "tools": ({"messages": MESSAGES, "params": {"max_tokens": 4}, "tools": [
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
-            [5], "tools"),
+        "tools": ({"messages": MESSAGES, "params": {"max_tokens": 4, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}},
+            [5], "resumed on the server that ran it"),
         "too-many": ({"prompt": "hi", "params": {"max_tokens": 2}}, [5, 6, 7], "max_tokens"),
         "bad-request": ({"id": "x", "prompt": "hi"}, [], "without type and id"),
     }
@@ -113,3 +113,42 @@ async def test_what_cannot_be_continued_elsewhere_is_refused(two_servers) -> Non
     await ws.send(json.dumps({"type": "ping"}))
     assert json.loads(await ws.recv())["type"] == "pong"
     await ws.close()
+
+
+async def test_the_python_sdk_resumes_on_another_server(two_servers) -> None:
+    """The SDK's socket goes through a TCP proxy to server A; A's connection is cut and
+    the proxy now leads to B (a replica dies, the balancer sends the reconnect
+    elsewhere): the stream carries on from B, seamlessly."""
+    from tidewire_client import AsyncClient, DeltaEvent
+
+    from tests.chaos.proxy import ChaosProxy
+
+    a, b = two_servers
+    port = lambda s: int(s.url.rsplit(":", 1)[1])  # noqa: E731
+    proxy = ChaosProxy(port(a)).start()
+    params = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    continued = b.gateway.metrics.resumes.labels("continued")
+    before = (a.gateway.inflight_total, b.gateway.inflight_total, continued._value.get())
+    try:
+        async with AsyncClient(b.ws_url) as direct:
+            want = await direct.chat.create(MESSAGES, **params)
+        async with AsyncClient(f"ws://127.0.0.1:{proxy.port}/v1/ws", affinity="conv-1") as c:
+            stream = await c.chat.stream(MESSAGES, **params)
+            events = []
+            while len([e for e in events if isinstance(e, DeltaEvent)]) < 3:
+                events.append(await stream.next_event())
+            assert (a.gateway.inflight_total, b.gateway.inflight_total) == \
+                (before[0] + 1, before[1])
+            proxy.target = ("127.0.0.1", port(b))
+            proxy.cut()
+            while (ev := await stream.next_event()) is not None:
+                events.append(ev)
+            deltas = [e for e in events if isinstance(e, DeltaEvent)]
+            assert [d.seq for d in deltas] == list(range(1, len(deltas) + 1))
+            assert "".join(d.text for d in deltas) == want.text
+            assert [t for d in deltas for t in d.token_ids] == want.token_ids[0]
+            assert stream.done.status == "completed"
+            assert stream.done.usage.completion_tokens == 48
+            assert continued._value.get() == before[2] + 1  # B continued it
+    finally:
+        proxy.stop()

@@ -1,6 +1,8 @@
-"""A TCP proxy for fault injection: it sits between the server and a real backend
-(Redis here) on a thread of its own, and can delay every chunk in both directions, cut
-every open connection at once or on a period, and refuse new connections."""
+"""A TCP proxy for fault injection: it sits between a client and a real backend (Redis,
+or a Tidewire server) on a thread of its own, and can delay every chunk in both
+directions, cut every open connection at once or on a period, refuse new connections,
+or send new connections to another backend (`target`: a server that dies and a client
+that reconnects to whatever answers)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from collections.abc import Callable
 
 class ChaosProxy:
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
-        self.target = (target_host, target_port)
+        self.target = (target_host, target_port)  # where new connections go
+        # or: the i-th connection goes to targets[i] (the last one for all after it)
+        self.targets: list[tuple[str, int]] = []
         self.latency = 0.0  # seconds added to every chunk, each direction
         self.refuse = False  # new connections are closed at once
         self.accepted = 0
@@ -84,11 +88,13 @@ class ChaosProxy:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        target = (self.targets[min(self.accepted, len(self.targets)) - 1] if self.targets
+                  else self.target)
         if self.refuse:
             writer.transport.abort()
             return
         try:
-            up_r, up_w = await asyncio.open_connection(*self.target)
+            up_r, up_w = await asyncio.open_connection(*target)
         except OSError:
             writer.transport.abort()
             return

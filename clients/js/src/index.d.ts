@@ -179,6 +179,8 @@ export declare class Stream implements AsyncIterable<StreamEvent> {
   done: DoneEvent | null;
   /** seq of the newest delta received (where a resume after a drop picks up) */
   lastSeq: number;
+  /** every token id received so far (a resume on another server continues from them) */
+  receivedTokenIds: number[];
   [Symbol.asyncIterator](): AsyncIterator<StreamEvent>;
   nextEvent(): Promise<StreamEvent | null>;
   textStream(): AsyncGenerator<string>;
@@ -197,6 +199,10 @@ export interface ClientOptions {
   maxRetries?: number;
   /** resume streams in flight after the connection drops (default true) */
   resume?: boolean;
+  /** routing key for a load balancer (`affinity` query parameter, and the
+   * `X-Tidewire-Affinity` header where the WebSocket class can set one); default: random
+   * per client */
+  affinity?: string;
 }
 
 export declare class TidewireClient {

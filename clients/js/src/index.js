@@ -118,8 +118,12 @@ const END = Symbol("end");
  * request's AbortSignal cancels the request on the server.
  */
 export class Stream {
-  constructor(client, id, signal) {
+  constructor(client, id, signal, request = null) {
     this.id = id;
+    // what a resume needs on a server that never saw the request (another replica): the
+    // generate's fields, and every token id received so far
+    this._request = request;
+    this.receivedTokenIds = [];
     this.start = null;
     this.done = null;
     this._client = client;
@@ -234,12 +238,19 @@ export class Stream {
  * reopens, with backoff, for new requests after it drops. With `resume` (default true),
  * streams in flight when the connection drops (not by close()) are resumed on a new
  * socket from their last delta, when the server offers resume: no gap, no duplicate.
+ * Each resume carries its request and the token ids received, so a server that never ran
+ * it (another replica behind a load balancer, or one restarted) continues it.
+ * `affinity`: the routing key for a load balancer to hash (same key, same replica), sent
+ * as the `affinity` query parameter of the socket's URL and, where the WebSocket class
+ * can set headers (Node's `ws`), as the `X-Tidewire-Affinity` header. Default: one random
+ * key per client, kept across reconnects; give a conversation id to pin a conversation.
  */
 export class TidewireClient {
-  constructor({ url, apiKey, protocol = "json", timeoutMs = 60000, maxRetries = 3, resume = true } = {}) {
+  constructor({ url, apiKey, protocol = "json", timeoutMs = 60000, maxRetries = 3, resume = true, affinity } = {}) {
     if (!url) throw new TypeError("url is required");
     if (!SUBPROTOCOLS[protocol]) throw new TypeError('protocol must be "json" or "msgpack"');
-    Object.assign(this, { url, apiKey, protocol, timeoutMs, maxRetries, resume });
+    affinity ??= Math.random().toString(36).slice(2) + Math.random().toString(36).slice(2);
+    Object.assign(this, { url, apiKey, protocol, timeoutMs, maxRetries, resume, affinity });
     this._closing = false;
     this.ready = null;
     this._ws = null;
@@ -304,7 +315,11 @@ export class TidewireClient {
     const codec = await this._loadCodec();
     const protocols = [SUBPROTOCOLS[this.protocol]];
     if (this.apiKey) protocols.push(AUTH_PREFIX + base64url(this.apiKey));
-    const ws = new WS(this.url, protocols);
+    const target = new URL(this.url);
+    target.searchParams.set("affinity", this.affinity);
+    const ws = WS === globalThis.WebSocket
+      ? new WS(target.href, protocols)
+      : new WS(target.href, protocols, { headers: { "X-Tidewire-Affinity": this.affinity } });
     ws.binaryType = "arraybuffer";
     let status = 0;
     if (typeof ws.on === "function") {
@@ -358,7 +373,9 @@ export class TidewireClient {
       for (const [id, s] of streams) {
         if (s._finished) continue; // closed by its reader meanwhile: the server lets it expire
         this._streams.set(id, s);
-        this._send({ type: "resume", id, after_seq: s.lastSeq, session_id: sessionId });
+        const frame = { type: "resume", id, after_seq: s.lastSeq, session_id: sessionId };
+        if (s._request) Object.assign(frame, { request: s._request, token_ids: [...s.receivedTokenIds] });
+        this._send(frame);
       }
     } catch (e) {
       for (const [id, s] of streams) {
@@ -381,7 +398,10 @@ export class TidewireClient {
     if (type === "queued" || type === "start" || type === "delta" || type === "done") {
       const s = this._streams.get(id);
       if (s) {
-        if (type === "delta") s.lastSeq = frame.seq;
+        if (type === "delta") {
+          s.lastSeq = frame.seq;
+          for (const t of frame.token_ids ?? []) s.receivedTokenIds.push(t);
+        }
         s._push(frame);
         if (type === "done") this._streams.delete(id);
       }
@@ -433,7 +453,9 @@ export class TidewireClient {
     await this.connect();
     const id = requestId ?? this._newId();
     if (this._streams.has(id)) throw new BadRequestError("duplicate_id", `request ${id} is in flight`);
-    const stream = new Stream(this, id, signal);
+    // only a single-sample request without tools can continue on a server that never saw it
+    const portable = (params.n ?? 1) === 1 && !params.tools;
+    const stream = new Stream(this, id, signal, portable ? { ...body, params } : null);
     this._streams.set(id, stream);
     try {
       this._send({ type: "generate", id, ...body, params });

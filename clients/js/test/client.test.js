@@ -151,6 +151,31 @@ test("streams survive a dropped connection (resumed on a new socket)", async () 
   assert.notEqual(c.ready.session_id, first);
 });
 
+test("a dropped stream continues on another server (failover through a proxy)", async () => {
+  // TIDEWIRE_FAILOVER_URL: the first connection reaches the main server, every later one
+  // a second server that never saw the request: the resume carries it and its tokens
+  const failover = process.env.TIDEWIRE_FAILOVER_URL;
+  assert.ok(failover, "set TIDEWIRE_FAILOVER_URL (tests/test_client_js.py does)");
+  const params = { max_tokens: 32, temperature: 0, ignore_eos: true };
+  const want = await client().chat.create({ messages: ask("Describe a river."), ...params });
+  const c = client({ url: failover, affinity: "conversation-7" });
+  const s = await c.chat.stream({ messages: ask("Describe a river."), ...params });
+  const got = [];
+  while (got.length < 2) {
+    const ev = await s.nextEvent();
+    if (ev.type === "delta") got.push(ev);
+  }
+  const first = c.ready.session_id;
+  c._ws.terminate();
+  for await (const ev of s) if (ev.type === "delta") got.push(ev);
+  assert.notEqual(c.ready.session_id, first);
+  assert.equal(s.done.status, "completed");
+  assert.equal(s.done.usage.completion_tokens, 32);
+  assert.deepEqual(got.map((d) => d.seq), got.map((_, j) => j + 1));
+  assert.equal(got.map((d) => d.text).join(""), want.text);
+  assert.deepEqual(s.receivedTokenIds, want.tokenIds[0]);
+});
+
 test("response_format takes a JSON schema; tool calls stream and come whole", async () => {
   const c = client();
   const schema = {

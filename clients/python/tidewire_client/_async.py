@@ -21,6 +21,7 @@ from tidewire_client._types import (CachedTokens, Completion, DeltaEvent, DoneEv
 
 Messages = Sequence[Dict[str, Any]]
 PROTOCOLS = {"msgpack": "tidewire.v1.msgpack", "json": "tidewire.v1.json"}
+AFFINITY_HEADER = "X-Tidewire-Affinity"  # the routing key a load balancer hashes
 _END = object()  # queue item: the stream was abandoned or the client closed
 
 
@@ -31,9 +32,14 @@ class AsyncStream:
     Leaving the loop early, `await stream.cancel()` or `stream.close()` cancels the
     request on the server. After the last event, `stream.done` holds the DoneEvent."""
 
-    def __init__(self, client: AsyncClient, request_id: str) -> None:
+    def __init__(self, client: AsyncClient, request_id: str,
+                 request: Optional[Dict[str, Any]] = None) -> None:
         self.id = request_id
         self._client = client
+        # what a resume needs on a server that never saw the request (another replica):
+        # the generate's fields, and every token id received so far
+        self._request = request
+        self.received_token_ids: List[int] = []
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.start: Optional[StartEvent] = None
         self.done: Optional[DoneEvent] = None
@@ -167,14 +173,23 @@ class AsyncClient:
 
     `resume` (default on): when the socket drops (not by `close()`) while streams are in
     flight and the server offers resume, the client reconnects and resumes each of them
-    where it stopped; they see no gap and no duplicate. Otherwise, or if that fails,
-    streams in flight raise APIConnectionError."""
+    where it stopped; they see no gap and no duplicate. Each resume carries its request
+    and the token ids received, so a server that never ran it (another replica behind a
+    load balancer, or one restarted) continues it. Otherwise, or if that fails, streams
+    in flight raise APIConnectionError.
+
+    `affinity`: the routing key sent as the `X-Tidewire-Affinity` header on every
+    connect, for a load balancer to hash (same key, same replica: its prefix cache is
+    warm). Default: one random key per client, kept across reconnects; give a
+    conversation or user id to keep one conversation on one replica across clients."""
 
     def __init__(self, url: str, api_key: Optional[str] = None, protocol: str = "msgpack",
                  timeout: float = 60.0, connect_timeout: float = 10.0,
-                 max_retries: int = 3, resume: bool = True) -> None:
+                 max_retries: int = 3, resume: bool = True,
+                 affinity: Optional[str] = None) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError("protocol must be 'msgpack' or 'json'")
+        self.affinity = affinity or uuid.uuid4().hex
         self.url, self.api_key, self.protocol = url, api_key, protocol
         self.timeout, self.connect_timeout, self.max_retries = timeout, connect_timeout, max_retries
         self.resume = resume
@@ -217,7 +232,9 @@ class AsyncClient:
                     delay = min(delay * 2, 4.0)
 
     async def _open(self) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        headers = {AFFINITY_HEADER: self.affinity}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         ws = await connect(self.url, subprotocols=[PROTOCOLS[self.protocol]],  # type: ignore[list-item]
                            additional_headers=headers, open_timeout=self.connect_timeout,
                            max_size=None, compression=None)
@@ -306,8 +323,12 @@ class AsyncClient:
                 if stream._finished:
                     continue  # closed by its reader meanwhile: the server lets it expire
                 self._streams[rid] = stream
-                await self._send({"type": "resume", "id": rid, "after_seq": stream.last_seq,
-                                  "session_id": session_id})
+                frame = {"type": "resume", "id": rid, "after_seq": stream.last_seq,
+                         "session_id": session_id}
+                if stream._request is not None:
+                    frame.update(request=stream._request,
+                                 token_ids=list(stream.received_token_ids))
+                await self._send(frame)
         except TidewireError as e:
             for rid, stream in streams.items():
                 if self._streams.get(rid, stream) is stream:
@@ -321,6 +342,7 @@ class AsyncClient:
             if stream is not None:
                 if kind == "delta":
                     stream.last_seq = frame["seq"]
+                    stream.received_token_ids.extend(frame.get("token_ids", ()))
                 stream._push(parse_event(frame))
                 if kind == "done":
                     del self._streams[rid]  # type: ignore[arg-type]
@@ -356,11 +378,14 @@ class AsyncClient:
         rid = request_id or self._new_id()
         if rid in self._streams:
             raise BadRequestError("duplicate_id", f"request {rid!r} is already in flight")
-        stream = AsyncStream(self, rid)
+        request = {**body, "params": wire_params(params)}
+        # only a single-sample request without tools can continue on a server that never
+        # saw it; others resume only where they ran
+        portable = request["params"].get("n", 1) == 1 and not request["params"].get("tools")
+        stream = AsyncStream(self, rid, request if portable else None)
         self._streams[rid] = stream
         try:
-            await self._send({"type": "generate", "id": rid, **body,
-                              "params": wire_params(params)})
+            await self._send({"type": "generate", "id": rid, **request})
         except TidewireError:
             self._streams.pop(rid, None)
             raise
