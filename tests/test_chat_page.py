@@ -79,6 +79,14 @@ async def wait_text_longer(page, than: int, timeout: int = 60_000) -> None:  # n
         f"(document.querySelector('{ANSWER}')?.textContent.length ?? 0) > {than}", timeout=timeout)
 
 
+async def poll_async(fn, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
+    """Until fn() is truthy; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not fn():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
 async def answer_len(page) -> int:  # noqa: ANN001
     return len(await page.text_content(ANSWER) or "")
 
@@ -265,8 +273,19 @@ async def test_conversations_survive_reload_and_new_chat_starts_empty(server) ->
         before = await page.locator(".msg").all_inner_texts()
         assert len(before) == 2 and "Say hello." in before[0]
 
+        # every socket names the open conversation as its routing key (a load balancer
+        # keeps a conversation on one replica by it)
+        sockets: list[str] = []
+        page.on("websocket", lambda ws: sockets.append(ws.url))
+
+        async def routed_by_current() -> None:
+            cid = await page.evaluate("JSON.parse(localStorage.getItem('tidewire.current.v1'))")
+            await poll_async(lambda: sockets and f"affinity={cid}" in sockets[-1],
+                             "a socket routed by the open conversation")
+
         await page.reload()  # the conversation and the settings are still there
         await page.wait_for_selector("#status[data-ready='1']", timeout=30_000)
+        await routed_by_current()
         assert await page.locator(".msg").all_inner_texts() == before
         assert await page.locator(".msg.assistant[data-state='completed']").count() == 1
         assert await page.input_value("#system") == "Answer in one short sentence."
@@ -284,6 +303,7 @@ async def test_conversations_survive_reload_and_new_chat_starts_empty(server) ->
         assert await page.locator(".msg").count() == 2
 
         await page.click("#new-chat")  # an empty conversation; the old one is in the list
+        await routed_by_current()  # the idle socket reopened under the new one's key
         assert await page.locator(".msg").count() == 0
         assert await page.locator("#chats li").count() == 2
         assert "New chat" in (await page.text_content("#chats li.active") or "")

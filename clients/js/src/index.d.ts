@@ -207,6 +207,10 @@ export interface ClientOptions {
 
 export declare class TidewireClient {
   constructor(options: ClientOptions);
+  /** the routing key sent on connect */
+  affinity: string;
+  /** route later connections by `key`; reopens an idle socket under it now */
+  setAffinity(key: string): Promise<void>;
   readonly connected: boolean;
   ready: Record<string, unknown> | null;
   chat: {

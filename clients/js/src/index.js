@@ -500,6 +500,17 @@ export class TidewireClient {
   }
 
   /** Close the socket; open streams end with APIConnectionError. */
+  /** Route later connections by `key`. When it changes and nothing streams, the socket
+   * reopens now (under the new key), so the next request goes where the key points. */
+  async setAffinity(key) {
+    if (key === this.affinity) return;
+    this.affinity = key;
+    if (this._ws && this._streams.size === 0) {
+      this.close();
+      await this.connect();
+    }
+  }
+
   close() {
     this._closing = true;
     const ws = this._ws;
