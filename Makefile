@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint fuzz chaos soak serve bench clean
+.PHONY: install system-deps test lint fuzz chaos scale-out soak serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -54,6 +54,11 @@ fuzz: install
 # engine exception mid-step
 chaos: install
 	TIDEWIRE_CHAOS_FULL=1 $(VPY) -m pytest -rs -s tests/chaos
+
+# replicas behind HAProxy on the default model, with the cross-replica prefix timing
+# (make test runs the topology on a tiny model)
+scale-out: install
+	TIDEWIRE_SCALE_OUT_FULL=1 $(VPY) -m pytest -rs -s tests/test_scale_out.py
 
 # the soak: every socket role against a real server for 30 minutes (make test: 60 s)
 soak: install

@@ -101,12 +101,29 @@ async def drain(gw: Gateway, grace: float) -> None:
     gw.accepting = False
     gw.parked.expire_all()  # parked requests of dropped sockets: nobody can resume them now
     deadline = asyncio.get_running_loop().time() + grace
-    while gw.inflight_total and asyncio.get_running_loop().time() < deadline:
+    closed: set[Any] = set()
+    closing: list[asyncio.Task[None]] = []
+    while True:
+        # a socket with nothing in flight closes now (1001), and one whose requests have
+        # all ended as soon as its last frame is written: its client reconnects, through
+        # a load balancer, to a replica that takes requests, instead of being refused here
+        for session in list(gw.sessions):
+            if session.idle and session not in closed:
+                closed.add(session)
+                closing.append(asyncio.create_task(_going_away(session)))
+        if not gw.inflight_total or asyncio.get_running_loop().time() >= deadline:
+            break
         await asyncio.sleep(0.05)
     gw.fail_http(ProtocolError("overloaded", "the server is shutting down; retry the request"))
     for session in list(gw.sessions):
-        with contextlib.suppress(Exception):
-            await session.ws.close(code=1001, reason="server shutting down")
+        if session not in closed:
+            await _going_away(session)
+    await asyncio.gather(*closing)
+
+
+async def _going_away(session: Any) -> None:
+    with contextlib.suppress(Exception):
+        await session.ws.close(code=1001, reason="server shutting down")
 
 
 class RawSend:

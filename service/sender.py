@@ -96,6 +96,11 @@ class Sender:
             return
         self._delivered(live)
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing being written."""
+        return not self.queue and not self._busy
+
     def close(self) -> None:
         """Let the writer task end once it reaches this (after `discard`, at once)."""
         self.queue.append(_CLOSE)

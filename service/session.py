@@ -84,6 +84,13 @@ class Session:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
 
+    @property
+    def idle(self) -> bool:
+        """No request, warm or resume in flight, and every frame written: closing the
+        socket now loses the client nothing."""
+        return not (self.live or self.unsent or self.warms or self.compiling or self.resuming
+                    or not self.sender.idle)
+
     def _limits(self) -> dict[str, Any]:
         lim = self.limits
         return {"max_inflight": lim.max_inflight_per_connection,

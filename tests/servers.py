@@ -164,33 +164,40 @@ class ServeProcess:
     """`tidewire serve` in a process of its own on a free port (what an operator runs:
     signals, exit status and stderr are real). `args` are its flags past --port."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                 port: int | None = None) -> None:
         import os
 
-        self.args, self.port = list(args), free_port()
+        self.args, self.host, self.port = list(args), host, port or free_port()
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/ws"
+        self.url = f"http://{host}:{self.port}"
+        self.ws_url = f"ws://{host}:{self.port}/v1/ws"
         self.proc = None
         self._log = None
 
-    def start(self, timeout: float = 180.0) -> ServeProcess:
+    def start(self, timeout: float = 180.0, wait: bool = True) -> ServeProcess:
+        """Start it; with `wait`, return once /ready says 200."""
         import subprocess
         import sys
         import tempfile
 
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1",
+            [sys.executable, "-m", "service.cli", "serve", "--host", self.host,
              "--port", str(self.port), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while http_get_quiet(self.url + "/ready") != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"tidewire serve did not become ready:\n{self.log()[-3000:]}")
             time.sleep(0.1)
-        return self
 
     def log(self) -> str:
         assert self._log is not None
@@ -203,6 +210,15 @@ class ServeProcess:
 
     def wait(self, timeout: float) -> int:
         assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (a graceful drain) and wait for the exit; returns its status."""
+        import signal as signals
+
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signals.SIGTERM)
         return self.proc.wait(timeout)
 
     def kill(self) -> None:

@@ -1,5 +1,8 @@
-"""compose.yaml and the Dockerfile agree with the code: the environment compose sets is
-what `tidewire serve` reads, Redis is configured as an LRU cache, the image serves."""
+"""compose.yaml, the balancer's config, the Kubernetes manifests and the Dockerfile agree
+with the code and with their tools: the environment they set is what `tidewire serve`
+reads, Redis is an LRU cache, `docker-compose config` and `haproxy -c` accept the files
+(nothing is pulled or built here), the manifests validate against the Kubernetes
+schemas, the image serves."""
 
 from __future__ import annotations
 
@@ -62,3 +65,76 @@ def test_install_steps_are_quiet_and_show_the_log_only_on_failure(tmp_path: Path
     makefile = (ROOT / "Makefile").read_text()
     assert makefile.count("$(Q) ") >= 5 and "pip install -q" not in makefile
     assert "quietly" in (ROOT / ".ci" / "system-deps").read_text()
+
+
+def test_compose_scales_replicas_behind_the_repositorys_balancer_config() -> None:
+    import shutil
+    import subprocess
+
+    compose = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    tw, lb = compose["services"]["tidewire"], compose["services"]["balancer"]
+    assert tw["deploy"]["replicas"] == "${TIDEWIRE_REPLICAS:-2}"
+    assert "ports" not in tw and lb["ports"] == ["8000:8000"]  # one way in: the balancer
+    src, dst, _ = lb["volumes"][0].split(":")
+    assert (ROOT / src).resolve() == (ROOT / "deploy" / "haproxy" / "haproxy.cfg").resolve()
+    assert dst == "/usr/local/etc/haproxy/haproxy.cfg"  # where the haproxy image reads it
+    assert lb["environment"]["TIDEWIRE_REPLICAS_ADDR"] == "tidewire:8000"
+    assert int(tw["environment"]["TIDEWIRE_SHUTDOWN_GRACE"]) + 5 < int(
+        tw["stop_grace_period"].rstrip("s"))  # the drain ends before Docker kills it
+    exe = shutil.which("docker-compose")
+    assert exe, "docker-compose is not installed: run `make install`"
+    for n in ("2", "3"):
+        out = subprocess.run([exe, "-f", str(ROOT / "compose.yaml"), "config"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60,
+                             env={"PATH": "/usr/bin:/bin", "TIDEWIRE_REPLICAS": n})
+        assert out.returncode == 0, out.stderr
+        assert yaml.safe_load(out.stdout)["services"]["tidewire"]["deploy"]["replicas"] == int(n)
+
+
+def test_the_balancer_config_is_valid_with_compose_and_test_values() -> None:
+    import shutil
+    import subprocess
+
+    exe = shutil.which("haproxy")
+    assert exe, "haproxy is not installed: run `make install`"
+    cfg = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
+    for env in ({}, {"TIDEWIRE_LB_BIND": "127.0.0.1:18000", "TIDEWIRE_DNS": "127.0.0.1:5353",
+                     "TIDEWIRE_REPLICAS_ADDR": "replicas.tidewire.test:18001"}):
+        out = subprocess.run([exe, "-c", "-f", str(cfg)], capture_output=True, text=True,
+                             env={"PATH": "/usr/bin:/bin:/usr/sbin", **env}, timeout=30)
+        assert out.returncode == 0 and "valid" in out.stdout, out.stdout + out.stderr
+
+
+def test_kubernetes_manifests_validate_against_the_schemas(monkeypatch) -> None:
+    import kubernetes_validate
+
+    docs = [d for f in sorted((ROOT / "deploy" / "k8s").glob("*.yaml"))
+            for d in yaml.safe_load_all(f.read_text()) if d]
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["Deployment", "Deployment", "HorizontalPodAutoscaler", "Ingress",
+                     "PodDisruptionBudget", "Service", "Service"]
+    for version in ("1.29", "1.33", kubernetes_validate.latest_version()):
+        for d in docs:
+            kubernetes_validate.validate(d, version, strict=True)
+    tw = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "tidewire")
+    pod = tw["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert pod["enableServiceLinks"] is False  # else TIDEWIRE_PORT=tcp://... breaks --port
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert pod["terminationGracePeriodSeconds"] > 5 + int(env["TIDEWIRE_SHUTDOWN_GRACE"])
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
+    for k, v in env.items():  # what `tidewire serve` reads from them
+        monkeypatch.setenv(k, v)
+    args = build_parser().parse_args(["serve"])
+    assert args.shutdown_grace == 20
+    tier = engine_config(args).tier
+    assert (tier.kind, tier.redis_url, tier.write_through) == (
+        "redis", "redis://tidewire-redis:6379/0", True)
+    ingress = next(d for d in docs if d["kind"] == "Ingress")
+    assert "x_tidewire_affinity" in ingress["metadata"]["annotations"][
+        "nginx.ingress.kubernetes.io/upstream-hash-by"]
+    hpa = next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+    assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == "tidewire_requests_waiting"
