@@ -142,7 +142,7 @@ def test_engine_stop_string_truncates_and_finishes(smollm2_dir) -> None:
 
 
 async def test_streamed_deltas_equal_the_final_text(smollm2_dir) -> None:
-    engine = AsyncEngine(EngineConfig(model="smollm2-135m", dtype="bfloat16"))
+    engine = AsyncEngine(EngineConfig(model="smollm2-135m", dtype="auto"))
     await engine.start()
     try:
         ids = engine.engine.apply_chat_template(

@@ -70,7 +70,7 @@ def test_smollm2_greedy_parity(smollm2_dir, prompts, reference, regime: str) -> 
 
 
 def test_smollm2_chat_api_and_text(smollm2_dir) -> None:
-    llm = LLM(model="smollm2-135m", dtype="bfloat16")
+    llm = LLM(model="smollm2-135m", dtype="auto")
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=24, temperature=0.0))[0]
     assert "Paris" in out.text

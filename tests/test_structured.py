@@ -55,13 +55,13 @@ SCHEMAS = {
                        "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
         "required": ["title"]},
 }
-SEEDS = 50
+SEEDS = 30
 ASK = [{"role": "user", "content": "Reply with a small JSON object about a product."}]
 
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("smollm2-135m", dtype="bfloat16", num_kv_blocks=1024)
+    return LLM("smollm2-135m", dtype="auto", num_kv_blocks=1024)  # bf16 where native
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,7 @@ def test_bad_constraints_fail_before_generating(llm: LLM, fmt: dict, message: st
 
 @pytest.mark.slow
 def test_sampled_json_always_validates(llm: LLM) -> None:
-    """Temperature 1.0, 50 seeds per schema, six schemas of different shapes, all in
+    """Temperature 1.0, 30 seeds per schema, six schemas of different shapes, all in
     one batch: every output parses and validates."""
     names = list(SCHEMAS)
     params = [SamplingParams(max_tokens=160, temperature=1.0, seed=s,
