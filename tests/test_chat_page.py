@@ -30,7 +30,7 @@ DESKTOP = {"width": 1000, "height": 760}
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    config = ServiceConfig(engine=EngineConfig(model="smollm2-135m", dtype="auto"))
+    config = ServiceConfig(engine=EngineConfig(model="smollm2-135m", dtype="bfloat16"))
     with run_server(config) as s:
         yield s
 

@@ -142,7 +142,7 @@ def test_a_warmed_prefix_is_invisible_to_another_tenant(server) -> None:
     a cold prompt, not of A's cached one, so a hit cannot be observed by timing."""
     import urllib.request
 
-    prompt = " ".join(f"word{i}" for i in range(300))
+    prompt = " ".join(f"word{i}" for i in range(100))
 
     def post(path: str, key: str, body: dict) -> tuple[dict, float]:
         req = urllib.request.Request(server.url + path, data=json.dumps(body).encode(),
@@ -154,14 +154,14 @@ def test_a_warmed_prefix_is_invisible_to_another_tenant(server) -> None:
         return out, time.perf_counter() - t0
 
     first, _ = post("/v1/warm", "key-a", {"prompt": prompt})
-    assert first["prompt_tokens"] > 400 and sum(first["reused_tokens"].values()) == 0
+    assert first["prompt_tokens"] > 250 and sum(first["reused_tokens"].values()) == 0
     again, _ = post("/v1/warm", "key-a", {"prompt": prompt})
     assert again["reused_tokens"]["device"] >= first["prompt_tokens"] - 16  # A's own hit
     other, _ = post("/v1/warm", "key-b", {"prompt": prompt})
     assert other["reused_tokens"] == {"device": 0, "host": 0}  # B: nothing of A's
     # timing, on a prompt only A has sent: A's answer comes from its cache, B's is
     # computed in full
-    body = {"prompt": " ".join(f"other{i}" for i in range(300)), "max_tokens": 1,
+    body = {"prompt": " ".join(f"other{i}" for i in range(100)), "max_tokens": 1,
             "temperature": 0}
     post("/v1/completions", "key-a", body)  # A caches this exact prompt
     hit = min(post("/v1/completions", "key-a", body)[1] for _ in range(3))

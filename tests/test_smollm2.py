@@ -24,12 +24,11 @@ SYSTEM = ("You are a concise assistant for a travel company. Answer in plain Eng
           "be friendly, and never invent facts you are unsure about.")
 PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
+# (block sizes 1 and 32, and the other regimes, run on tiny models in test_engine_parity)
 REGIMES = {
     "one-big-batch": dict(),
     "chunked-prefill": dict(max_num_batched_tokens=40),
     "preemption": dict(num_kv_blocks=24, max_num_batched_tokens=128),
-    "block-size-1": dict(block_size=1),
-    "block-size-32": dict(block_size=32),
 }
 
 
