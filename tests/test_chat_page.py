@@ -323,13 +323,18 @@ async def test_conversations_survive_reload_and_new_chat_starts_empty(server) ->
         await page.fill("#input", COUNT)
         await page.press("#input", "Enter")
         await wait_text_longer(page, 2)
+        # (stored is the raw text: "1\n2\n" renders as "12", so wait for a few numbers)
         await page.wait_for_function("""() => JSON.parse(localStorage.getItem('tidewire.chats.v1'))
-            .some(c => c.messages.some(m => m.state === 'streaming' && m.content.length > 2))""",
+            .some(c => c.messages.some(m => m.state === 'streaming' && m.content.length > 8))""",
                                      timeout=30_000)
         await page.reload()
         await page.wait_for_selector("#status[data-ready='1']", timeout=30_000)
         await page.wait_for_selector(".msg.assistant[data-state='interrupted']")
-        assert await answer_len(page) > 2
+        # the kept text is the stored one (a numbered list renders without its numbers:
+        # "1. 1\n2. 2\n" shows as "12")
+        kept = await page.evaluate("""(ask) => JSON.parse(localStorage.getItem('tidewire.chats.v1'))
+            .find(c => c.messages[0].content === ask).messages[1].content""", COUNT)
+        assert len(kept) > 8 and await answer_len(page) >= 2, kept
         assert "interrupted" in (await page.text_content(".msg.assistant .stats") or "")
         assert await page.locator("#chats li").count() == 2
 
