@@ -17,12 +17,10 @@ QUESTIONS = [
     "List three prime numbers.",
     "Translate 'good morning' into Spanish.",
     "What is 17 times 3?",
-    "Give me a tip for learning to code.",
-    "Describe the color blue to someone who cannot see.",
 ]
 SYSTEM = ("You are a concise assistant for a travel company. Answer in plain English, "
           "be friendly, and never invent facts you are unsure about.")
-PARAMS = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 
 # (block sizes 1 and 32, and the other regimes, run on tiny models in test_engine_parity)
 REGIMES = {
