@@ -233,6 +233,21 @@ class ServeProcess:
         self.kill()
 
 
+async def apoll(fn, timeout: float, what: str, every: float = 0.01):  # noqa: ANN001, ANN201
+    """Await until fn() returns something truthy (and return it); AssertionError naming
+    `what` after `timeout` seconds."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while True:
+        got = fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(every)
+
+
 def http_get_quiet(url: str) -> int | None:
     """The status of a GET, or None when nothing answers."""
     try:

@@ -20,7 +20,7 @@ import pytest
 
 from engine import EngineConfig
 from service.config import ServiceConfig
-from tests.servers import http_get, run_server
+from tests.servers import apoll, http_get, run_server
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 COUNT = "Count from 1 to 300, one number per line."
@@ -77,14 +77,6 @@ class Page:
 async def wait_text_longer(page, than: int, timeout: int = 60_000) -> None:  # noqa: ANN001
     await page.wait_for_function(
         f"(document.querySelector('{ANSWER}')?.textContent.length ?? 0) > {than}", timeout=timeout)
-
-
-async def poll_async(fn, what: str, timeout: float = 30.0) -> None:  # noqa: ANN001
-    """Until fn() is truthy; AssertionError naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not fn():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def answer_len(page) -> int:  # noqa: ANN001
@@ -280,8 +272,8 @@ async def test_conversations_survive_reload_and_new_chat_starts_empty(server) ->
 
         async def routed_by_current() -> None:
             cid = await page.evaluate("JSON.parse(localStorage.getItem('tidewire.current.v1'))")
-            await poll_async(lambda: sockets and f"affinity={cid}" in sockets[-1],
-                             "a socket routed by the open conversation")
+            await apoll(lambda: sockets and f"affinity={cid}" in sockets[-1], 30,
+                        "a socket routed by the open conversation", every=0.05)
 
         await page.reload()  # the conversation and the settings are still there
         await page.wait_for_selector("#status[data-ready='1']", timeout=30_000)

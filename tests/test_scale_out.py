@@ -26,7 +26,7 @@ import pytest
 from tidewire_client import AsyncClient, DeltaEvent, DoneEvent, StartEvent
 from tidewire_client import APIConnectionError, APIError
 
-from tests.servers import http_get, scrape_metrics
+from tests.servers import http_get, http_get_quiet, scrape_metrics
 from tests.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,7 +254,7 @@ async def test_a_replica_that_is_not_ready_is_routed_around(topo, replica_args) 
     third.start(wait=False)
     tried, refused_by_it = 0, 0
     try:
-        while await asyncio.to_thread(http_get_status, third.url + "/ready") != 200:
+        while await asyncio.to_thread(http_get_quiet, third.url + "/ready") != 200:
             # raw clients, no retries: each answer is what the balancer gave
             async with connect(topo.lb.ws_url, subprotocols=["tidewire.v1.json"],
                                additional_headers={"X-Tidewire-Affinity": f"probe-{tried}"},
@@ -262,7 +262,7 @@ async def test_a_replica_that_is_not_ready_is_routed_around(topo, replica_args) 
                 assert json.loads(await ws.recv())["type"] == "ready"
             status, body = await asyncio.to_thread(http_get, topo.lb.url + "/v1/models")
             assert status == 200, body
-            direct = await asyncio.to_thread(http_get_status, third.url + "/v1/models")
+            direct = await asyncio.to_thread(http_get_quiet, third.url + "/v1/models")
             refused_by_it += direct == 503
             tried += 1
             assert tried < 2000, "the third replica never became ready"
@@ -275,10 +275,3 @@ async def test_a_replica_that_is_not_ready_is_routed_around(topo, replica_args) 
         topo.dns.addresses.remove(addr)
         third.kill()
     topo.wait_routed(set(topo.addresses))
-
-
-def http_get_status(url: str) -> int | None:
-    try:
-        return http_get(url)[0]
-    except OSError:
-        return None

@@ -14,11 +14,10 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from tests.servers import RedisServer, ServeProcess, free_port, http_get_quiet
+from tests.servers import RedisServer, ServeProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 HAPROXY_CFG = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
@@ -194,12 +193,3 @@ class Topology:
                 part.stop() if not isinstance(part, ServeProcess) else part.kill()
             except Exception:  # noqa: BLE001 - tear down the rest regardless
                 pass
-
-
-def run_in_thread(fn, *args):  # noqa: ANN001, ANN002, ANN201 - a started daemon thread
-    t = threading.Thread(target=fn, args=args, daemon=True)
-    t.start()
-    return t
-
-
-__all__ = ["Balancer", "Dns", "Topology", "http_get_quiet", "run_in_thread"]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+
 
 FRAMES = {"ready", "queued", "start", "delta", "done", "error", "pong", "warmed", "resumed"}
 
@@ -127,30 +127,6 @@ def greedy_body(prompt: list[int], max_tokens: int) -> dict[str, Any]:
 
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def poll(fn: Callable[[], Any], timeout: float, what: str, every: float = 0.01) -> Any:
-    """Call fn until it returns something truthy; AssertionError naming `what` after
-    `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
-
-
-async def apoll(fn: Callable[[], Any], timeout: float, what: str, every: float = 0.01) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(every)
 
 
 def full() -> bool:

@@ -15,8 +15,8 @@ from websockets.asyncio.client import connect
 from engine import EngineConfig
 from engine.config import CacheConfig, SchedulerConfig
 from service.config import Limits, ServiceConfig
-from tests.chaos.driver import apoll, open_fds
-from tests.servers import run_server
+from tests.chaos.driver import open_fds
+from tests.servers import apoll, run_server
 
 SOCKETS = 500
 

@@ -15,8 +15,8 @@ from websockets.asyncio.client import connect
 
 from engine import EngineConfig
 from service.config import ServiceConfig
-from tests.chaos.driver import Stream, apoll, check_frame
-from tests.servers import http_get, run_server
+from tests.chaos.driver import Stream, check_frame
+from tests.servers import apoll, http_get, run_server
 
 
 class InjectedFault(RuntimeError):

@@ -22,10 +22,10 @@ import pytest
 from engine import EngineConfig
 from engine.config import CacheConfig, TierConfig
 from service.config import ServiceConfig
-from tests.chaos.driver import Stream, apoll, full, greedy_body, run_requests
+from tests.chaos.driver import Stream, full, greedy_body, run_requests
 from tests.chaos.proxy import ChaosProxy
 from tests.conftest import hf_greedy
-from tests.servers import run_server
+from tests.servers import apoll, run_server
 
 BS = 8
 MAX_TOKENS = 6

@@ -16,8 +16,8 @@ import openai
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.chaos.driver import Stream, apoll, check_frame, full
-from tests.servers import ServeProcess
+from tests.chaos.driver import Stream, check_frame, full
+from tests.servers import ServeProcess, apoll
 
 GRACE = 1.5
 LONG = 1000  # tokens: far more than the grace lets a stream of a full batch make
