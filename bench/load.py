@@ -382,7 +382,10 @@ def _server_sample(http_url: str, headers: dict[str, str]) -> dict[str, float | 
             "waiting": _metric(text, "tidewire_requests_waiting"),
             "kv_usage": _metric(text, "tidewire_kv_cache_usage_ratio"),
             "parked": _metric(text, "tidewire_websocket_parked_requests"),
-            "connections": _metric(text, "tidewire_websocket_connections"), "_text": text}
+            "connections": _metric(text, "tidewire_websocket_connections"),
+            "heap_in_use_mb": (_metric(text, 'tidewire_malloc_bytes{kind="in_use"}') or 0) / 2**20,
+            "heap_free_mb": (_metric(text, 'tidewire_malloc_bytes{kind="free"}') or 0) / 2**20,
+            "_text": text}
 
 
 def _quantiles(xs: list[float]) -> dict[str, float]:
@@ -563,7 +566,13 @@ def plot(r: dict[str, Any], path: Path) -> None:
     ax[0].set_ylabel("count")
     ax[1].plot(t, [s["tok_s"] for s in tl], color="tab:green")
     ax[1].set_ylabel("output tok/s")
-    ax[2].plot(t, [s["rss_mb"] for s in tl], color="tab:red", label="RSS MB")
+    ax[2].plot(t, [s["rss_mb"] for s in tl], color="tab:red", label="RSS")
+    if any(s.get("heap_in_use_mb") for s in tl):  # glibc: what the allocator holds
+        ax[2].plot(t, [s.get("heap_in_use_mb") for s in tl], color="tab:orange",
+                   label="heap in use")
+        ax[2].plot(t, [s.get("heap_free_mb") for s in tl], color="tab:gray",
+                   label="heap free (kept)")
+    ax[2].legend(fontsize=8, loc="upper left")
     ax2 = ax[2].twinx()
     ax2.plot(t, [s["fds"] for s in tl], color="tab:purple", label="open fds")
     ax[2].set_ylabel("server RSS (MB)")

@@ -120,7 +120,7 @@ class RequestStream:
         o = self.output
         return RequestOutput(o.request_id, o.prompt_token_ids, o.outputs, o.finished,
                              o.num_cached_tokens, o.index, o.new_token_ids, o.delta_text, o.error,
-                             o.num_host_cached_tokens)
+                             o.num_host_cached_tokens, o.spec_by_sample)
 
 
 def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
@@ -133,7 +133,8 @@ def _merge(a: StepOutput, b: StepOutput) -> StepOutput:
                       num_cached_tokens=b.num_cached_tokens, logprobs=lps,
                       stop_reason=b.stop_reason, error=b.error, queue_time=a.queue_time,
                       sampled_at=a.sampled_at or b.sampled_at,
-                      num_host_cached_tokens=b.num_host_cached_tokens)
+                      num_host_cached_tokens=b.num_host_cached_tokens,
+                      spec=b.spec if b.spec is not None else a.spec)
 
 
 class AsyncEngine:

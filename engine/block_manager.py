@@ -66,6 +66,13 @@ class FreeBlockQueue:
         block.next, self._tail.prev = self._tail, block
         self.num_free += 1
 
+    def appendleft(self, block: KVBlock) -> None:
+        first = self._head.next
+        assert first is not None
+        self._head.next, block.prev = block, self._head
+        block.next, first.prev = first, block
+        self.num_free += 1
+
     def remove(self, block: KVBlock) -> None:
         assert block.prev is not None and block.next is not None, "block is not queued"
         block.prev.next, block.next.prev = block.next, block.prev
@@ -147,6 +154,15 @@ class BlockPool:
             assert b.ref_cnt >= 0, f"block {b.block_id} freed twice"
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
+
+    def give_back(self, blocks: Sequence[KVBlock]) -> None:
+        """Return fresh blocks that never held anything worth keeping (no hash, one
+        reference) to the head of the queue: the next allocation takes them before it
+        evicts a cached block."""
+        for b in blocks:
+            assert b.ref_cnt == 1 and b.block_hash is None, f"block {b.block_id} is shared"
+            b.ref_cnt = 0
+            self.free_queue.appendleft(b)
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
         """Publish a full block under its hash. A hash already cached keeps its first
@@ -281,6 +297,18 @@ class KVCacheManager:
                     <= req.num_prompt_tokens and pool.cached.get(h) is block:
                 fresh.append((block.block_id, h))
         self._published[req.request_id] = num_full
+
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past the ones the request's known tokens need (they held
+        only rejected speculative tokens: fresh, never published)."""
+        table = self.tables.get(req.request_id)
+        keep = -(-req.num_tokens // self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        extra = table[keep:]
+        del table[keep:]
+        del self._ids[req.request_id][keep:]
+        self.pool.give_back(extra)
 
     def free(self, req: Request) -> None:
         """Release the request's blocks; tail first so the prefix stays cached longest."""

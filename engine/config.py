@@ -73,6 +73,45 @@ class TierConfig:
             raise ValueError("kv tier 'redis' needs a redis_url (redis://host:port/db)")
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode.py): a proposer guesses the next
+    `num_tokens` tokens of a decoding request, the target model scores them all in one
+    step, and exact acceptance keeps what it would have produced (greedy: the same
+    tokens; sampled: the same distribution)."""
+
+    method: str = "none"  # none | ngram (prompt lookup) | draft (a smaller model)
+    num_tokens: int = 4  # proposed tokens per request per step (k)
+    draft_model: str | None = None  # method "draft": its name or path (same tokenizer)
+    ngram_min: int = 2  # prompt lookup matches the last n tokens, n from max down to min
+    ngram_max: int = 4
+    # Off-switch: after `probe_steps` speculative steps a request whose accepted tokens
+    # per proposed token stay under `min_acceptance` stops proposing for `cooldown`
+    # steps (doubled each time it trips), then tries again.
+    min_acceptance: float = 0.15
+    probe_steps: int = 4
+    cooldown: int = 8
+    # no speculation in a step with more running requests than this (0: no limit):
+    # a full batch is compute-bound, and the proposals' extra rows cost real time
+    max_batch: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {list(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be in [1, 16]")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if not 0.0 <= self.min_acceptance <= 1.0:
+            raise ValueError("min_acceptance must be in [0, 1]")
+        if self.probe_steps < 1 or self.cooldown < 0 or self.max_batch < 0:
+            raise ValueError("probe_steps must be >= 1; cooldown and max_batch >= 0")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything LLMEngine needs. Build it directly, or from LLM's flat keyword
@@ -84,6 +123,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tier: TierConfig = field(default_factory=TierConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool when cache.num_blocks == 0
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int | None = None  # shared by unseeded requests; None: from OS entropy
@@ -130,7 +170,7 @@ class EngineConfig:
         return replace(self, **changes)
 
 
-_SECTIONS = ("cache", "scheduler", "tier")  # EngineConfig's sub-configs
+_SECTIONS = ("cache", "scheduler", "tier", "speculative")  # EngineConfig's sub-configs
 # flat keyword name -> (sub-config, its field); the sub-configs' own names are not
 # flat names, so one value cannot be given twice
 _NESTED: dict[str, tuple[str, str]] = {
@@ -150,6 +190,15 @@ _NESTED: dict[str, tuple[str, str]] = {
     "kv_tier_load_timeout": ("tier", "load_timeout"),
     "kv_tier_io_timeout": ("tier", "io_timeout"),
     "kv_tier_max_pending_writes": ("tier", "max_pending_writes"),
+    "speculative": ("speculative", "method"),  # the section's own name: its method
+    "num_speculative_tokens": ("speculative", "num_tokens"),
+    "draft_model": ("speculative", "draft_model"),
+    "speculative_ngram_min": ("speculative", "ngram_min"),
+    "speculative_ngram_max": ("speculative", "ngram_max"),
+    "speculative_min_acceptance": ("speculative", "min_acceptance"),
+    "speculative_max_batch": ("speculative", "max_batch"),
+    "speculative_probe_steps": ("speculative", "probe_steps"),
+    "speculative_cooldown": ("speculative", "cooldown"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Decode steps of 1-8 sequences as one compiled call (the CPU backend).
+"""Decode steps of 1-8 query tokens as one compiled call (the CPU backend).
 
 The CPU counterpart of engine/cuda_graphs.py. An eager decode step of a small model is
 ~300 torch calls from Python, each forking and joining the OpenMP team: at batch 1 that
@@ -6,7 +6,8 @@ overhead rivalled the time spent reading the weights. `torch.ops.tidewire.decode
 (kernels/cpu/decode_step.h) runs the whole stack, final norm and LM head included, in
 one parallel region with barriers between phases, on the model's own weights and KV
 cache (nothing is copied or captured: the "buckets" are every batch size from 1 to
-`max_rows`). Steps with a prefill chunk, or with more sequences, run eagerly: past a
+`max_rows`). A sequence may bring several query tokens (a decode verifying speculative
+proposals, a short chunk): up to 8 in all. Larger steps run eagerly: past a
 few rows the oneDNN matmuls of the eager path are the faster ones.
 """
 
@@ -60,13 +61,16 @@ class CpuDecodeStep:
                                                          layer.down)] + [model.lm_head]
         return all(_weight(m) is not None for m in matmuls)
 
-    def fits(self, num_seqs: int) -> bool:
-        return 0 < num_seqs <= self.max_rows
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a step of this many query tokens runs here (its sequences may have
+        several each: a decode verifying speculative proposals, a short chunk)."""
+        return 0 < num_tokens <= self.max_rows
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: PagedMetadata) -> torch.Tensor:
-        """Logits [n, vocab] (the model's dtype) of n decodes: one token each."""
+        """Logits [n, vocab] (the model's dtype) of n query tokens: decodes (one token
+        each) and short chunks (meta.query_start gives each sequence its rows)."""
         m, a = self.model, self.model.arch
         x = F.embedding(input_ids, m.embed)  # becomes the residual stream (overwritten)
         logits = torch.empty((x.shape[0], m.lm_head.out_features), dtype=x.dtype)

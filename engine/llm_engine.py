@@ -30,7 +30,8 @@ from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
 from engine.runner import ModelRunner, prefault_default
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.spec_decode import Speculator, make_speculator
 from engine.structured import GrammarCompiler, ResponseFormat
 from engine.stats import EngineStats, OffloadCounters, TierCounters
 from kernels import cpu_ops
@@ -124,6 +125,7 @@ class LLMEngine:
         if self.offload is not None:  # an engine dropped without close() still frees it all
             weakref.finalize(self, self.offload.stop)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.offload)
+        self.speculator = self._make_speculator(progress)
         # response_format constraints, compiled on worker threads (engine/structured.py)
         self.grammars = (GrammarCompiler(self.tokenizer, self.arch.vocab_size, self.eos_token_ids)
                          if self.tokenizer is not None else None)
@@ -135,6 +137,20 @@ class LLMEngine:
         self._byte_tables: dict[bool, list[bytes] | None] = {}  # by skip_special_tokens
         log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
                  self.dtype_name, time.monotonic() - t0, self.num_blocks, cc.block_size)
+
+    def _make_speculator(self, progress: LoadProgress) -> Speculator | None:
+        sc = self.config.speculative
+        draft = None
+        if sc.method == "draft":
+            from engine.spec_draft import DraftProposer
+
+            if not sc.draft_model:
+                raise ValueError("speculative decoding with a draft model needs one: "
+                                 "--draft-model (draft_model=)")
+
+            with progress.phase(f"draft model {sc.draft_model}"):
+                draft = DraftProposer(self, sc)
+        return make_speculator(sc, draft)
 
     def _quant_cache(self) -> Path | None:
         if self.config.quantization == "none":
@@ -442,6 +458,10 @@ class LLMEngine:
         offload = self.offload
         if offload is not None:
             offload.new_step()
+        if self.speculator is not None and self.scheduler.running:
+            cpu_step = self.runner.cpu_step
+            self.speculator.propose(self.scheduler.running, self.num_steps,
+                                    cpu_step.max_rows if cpu_step is not None else None)
         sched = self.scheduler.schedule()
         if offload is not None:
             offload.capture()  # blocks evicted by this schedule, before the model reuses them
@@ -460,17 +480,28 @@ class LLMEngine:
             return failed
         sampled = self.runner.execute(sched, launched)  # (calls launched: ships)
         now = time.monotonic()
-        touched = self.scheduler.advance(sched, sampled.tokens)
+        touched = self.scheduler.advance(sched, sampled.tokens, sampled.verified)
         self.num_steps += 1
+        if sampled.verified is not None:
+            self._record_spec(sched)
         for r in touched:
             if r.matcher is not None:
                 self._advance_matcher(r)
         lps = sampled.logprobs or {}
+        verified = sampled.verified or {}
+        vlps = sampled.verified_logprobs or {}
         outs = failed
         for r in touched:
-            lp = lps.get(r.request_id)
-            outs.append(self._emit(r, r.output_token_ids[-1:], None if lp is None else [lp],
-                                   now))
+            rid = r.request_id
+            if rid in verified:  # one or more tokens
+                n = r.num_new_tokens_last
+                lpl = vlps.get(rid)
+                outs.append(self._emit(r, r.output_token_ids[-n:],
+                                       None if lpl is None else lpl[:n], now))
+            else:
+                lp = lps.get(rid)
+                outs.append(self._emit(r, r.output_token_ids[-1:],
+                                       None if lp is None else [lp], now))
         if publish is not None:
             publish(outs)
         self.scheduler.commit(sched)
@@ -486,19 +517,43 @@ class LLMEngine:
             self.kv.check_integrity()
         return outs
 
+    def _record_spec(self, sched: SchedulerOutput) -> None:
+        """Each verifying request's acceptance, for its off-switch."""
+        assert self.speculator is not None
+        for s in sched.scheduled:
+            if s.num_spec:
+                r = s.request
+                self.speculator.record(r, s.num_spec, r.num_new_tokens_last - 1,
+                                       self.num_steps)
+
     def _advance_matcher(self, r: Request) -> None:
-        """Feed a constrained sample's new token to its matcher; one that reached the
-        constraint's end (accepted a stop token) finishes the sample."""
+        """Feed a constrained sample's new tokens to its matcher; one that reached the
+        constraint's end (accepted a stop token) finishes the sample (tokens after
+        that point, proposals accepted past it, are dropped)."""
         m = r.matcher
-        if not m.accept(r.output_token_ids[-1]):  # only when the constraint allowed nothing
-            log.error("request %s: token %d broke its constraint", r.parent_id,
-                      r.output_token_ids[-1])
-            if r.status.finished:  # (its stop token ended it: the error is what happened)
-                r.status = RequestStatus.FINISHED_ERROR
-            else:
-                self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
-        elif m.terminated and not r.status.finished:  # ignore_eos: the constraint ends it
-            self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED)
+        new = r.output_token_ids[-r.num_new_tokens_last:]
+        for j, t in enumerate(new):
+            if not m.accept(t):  # only when the constraint allowed nothing
+                log.error("request %s: token %d broke its constraint", r.parent_id, t)
+                self._truncate(r, len(new) - j - 1)
+                if r.status.finished:  # (its stop token ended it: the error is what happened)
+                    r.status = RequestStatus.FINISHED_ERROR
+                else:
+                    self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
+                return
+            if m.terminated:
+                self._truncate(r, len(new) - j - 1)
+                if not r.status.finished:  # ignore_eos: the constraint ends it
+                    self.scheduler.finish_requests([r.request_id],
+                                                   RequestStatus.FINISHED_STOPPED)
+                return
+
+    @staticmethod
+    def _truncate(r: Request, drop: int) -> None:
+        """Drop the last `drop` of this step's tokens (they came after the request's end)."""
+        if drop:
+            del r.output_token_ids[-drop:]
+            r.num_new_tokens_last -= drop
 
     @staticmethod
     def _then_ship(offload: KVOffload, launched: Callable[[], None] | None) -> None:
@@ -517,7 +572,10 @@ class LLMEngine:
         delta = ""
         finished = r.status.finished
         if detok is not None:
-            delta = detok.push(new, finished)
+            if len(new) > 1 and detok.stop:  # several tokens (accepted proposals)
+                delta, new, logprobs = self._push_each(r, detok, new, logprobs)
+            else:
+                delta = detok.push(new, finished)
             if detok.stop_hit is not None:
                 r.stop_reason = detok.stop_hit
                 if not finished:
@@ -538,9 +596,31 @@ class LLMEngine:
                           logprobs=logprobs, stop_reason=r.stop_reason,
                           queue_time=first - r.arrival_time if first else 0.0,
                           sampled_at=sampled_at,
-                          num_host_cached_tokens=host if host < cached else cached)
+                          num_host_cached_tokens=host if host < cached else cached,
+                          spec=(r.spec_steps, r.spec_proposed, r.spec_accepted)
+                          if r.spec_steps else None)
+
+    def _push_each(self, r: Request, detok: IncrementalDetokenizer, new: list[int],
+                   logprobs: list | None) -> tuple[str, list[int], list | None]:
+        """Several new tokens and stop strings: pushed one at a time, so a stop string
+        ends the output at the token that completed it, as it would one token a step
+        (the tokens after it are dropped)."""
+        pieces = []
+        finished = r.status.finished
+        for j, t in enumerate(new):
+            pieces.append(detok.push([t], finished and j == len(new) - 1))
+            if detok.stop_hit is not None:
+                drop = len(new) - j - 1
+                if drop:
+                    del r.output_token_ids[-drop:]
+                    new = new[: j + 1]
+                    logprobs = None if logprobs is None else logprobs[: j + 1]
+                break
+        return "".join(pieces), new, logprobs
 
     def _finished(self, r: Request) -> None:
+        if self.speculator is not None:
+            self.speculator.release(r.request_id)
         self.runner.release(r.request_id)
         self._detoks.pop(r.request_id, None)
         kids = self._children.get(r.parent_id)

@@ -42,6 +42,9 @@ class StepOutput:
     queue_time: float = 0.0  # seconds from arrival to first admission
     sampled_at: float = 0.0  # time.monotonic() when this step's tokens were sampled
     num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
+    # speculative decoding so far: (verifying steps, tokens proposed, tokens accepted);
+    # None when the sample never verified a proposal
+    spec: tuple[int, int, int] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -99,6 +102,17 @@ class RequestOutput:
     delta_text: str = ""
     error: str | None = None
     num_host_cached_tokens: int = 0  # of num_cached_tokens, loaded from the host tier
+    # speculative decoding by sample index: (verifying steps, tokens proposed, tokens
+    # accepted), for the samples that verified proposals
+    spec_by_sample: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> tuple[int, int, int] | None:
+        """Speculative decoding summed over the samples; None when none speculated."""
+        if not self.spec_by_sample:
+            return None
+        steps, proposed, accepted = zip(*self.spec_by_sample.values())
+        return sum(steps), sum(proposed), sum(accepted)
 
     @property
     def token_ids(self) -> list[int]:
@@ -130,5 +144,7 @@ class RequestOutput:
                                           step.num_host_cached_tokens)
         if step.error:
             self.error = step.error
+        if step.spec is not None:
+            self.spec_by_sample[step.index] = step.spec
         outs = self.outputs
         self.finished = out.finished if len(outs) == 1 else all(o.finished for o in outs)

@@ -65,6 +65,18 @@ class Request:
     # this sample's matcher once it is compiled (engine/structured.py)
     grammar: Any = None
     matcher: Any = None
+    # speculative decoding (engine/spec_decode.py): the tokens proposed for the coming
+    # step, and the draft's probabilities for them ([k, vocab]; None: point masses, as
+    # n-gram proposals are); the scheduler may run fewer of them
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: Any = None
+    spec_steps: int = 0  # steps that verified proposals of this request
+    spec_proposed: int = 0  # tokens proposed in those steps
+    spec_accepted: int = 0  # of those, accepted
+    spec_window: tuple[int, int, int] = (0, 0, 0)  # (steps, proposed, accepted) since probing
+    spec_resume_step: int = 0  # the off-switch: no proposals before this engine step
+    spec_trips: int = 0  # times the off-switch tripped
+    num_new_tokens_last: int = 1  # tokens the last step appended (several when speculating)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -101,6 +113,12 @@ class Request:
 
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    @property
+    def decoding(self) -> bool:
+        """All known tokens but the newest are computed: the next step feeds one token
+        (plus any proposals)."""
+        return self.num_computed_tokens == self.num_tokens - 1
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id

@@ -7,7 +7,7 @@ import math
 import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -17,8 +17,10 @@ from engine.cpu_step import CpuDecodeStep
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel, ModelArch
 from engine.outputs import TokenLogprob
+from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.spec_decode import SpecRows, verify
 from engine.structured import apply_masks
 
 
@@ -30,6 +32,9 @@ class Sampled:
 
     tokens: dict[str, int]
     logprobs: dict[str, TokenLogprob] | None = None
+    # requests that verified proposals: the tokens each keeps, and their logprobs
+    verified: dict[str, list[int]] | None = None
+    verified_logprobs: dict[str, list[TokenLogprob]] | None = None
 
 
 @dataclass(slots=True)
@@ -54,6 +59,8 @@ class StepInputs:
     logits_rows: torch.Tensor  # [num_samples] int64: rows whose logits are sampled
     sample_ids: list[str]  # request id of each sampled row
     sampling: SamplingBatch
+    # requests verifying proposals: their rows follow the sampled ones in logits_rows
+    spec: list[SpecRows] = field(default_factory=list)
 
 
 def prefault_default() -> bool:
@@ -146,15 +153,22 @@ class ModelRunner:
         if launched is not None:
             launched()
         inputs = self.prepare(decodes, prefills)
-        if self.cpu_step is not None and not prefills and self.cpu_step.fits(len(decodes)):
+        if self.cpu_step is not None and self.cpu_step.fits(len(inputs.positions)):
+            # decodes, and up to 8 query tokens in all (a decode verifying proposals)
             logits = self.cpu_step.run(inputs.input_ids, inputs.positions,
                                        inputs.meta)  # type: ignore[arg-type]  # the cpu backend's
-            if len(inputs.sample_ids) < len(decodes):
+            if len(inputs.logits_rows) < len(inputs.positions):
                 logits = logits[inputs.logits_rows]
         else:
             logits = self._forward(inputs.input_ids, inputs.positions, inputs.meta,
                                    inputs.logits_rows)
-        return self._sample(logits, inputs.sample_ids, inputs.sampling)
+        if not inputs.spec:
+            return self._sample(logits, inputs.sample_ids, inputs.sampling)
+        n = len(inputs.sample_ids)
+        out = self._sample(logits[:n], inputs.sample_ids, inputs.sampling)
+        v = verify(self.sampler, logits[n:], inputs.spec)
+        out.verified, out.verified_logprobs = v.tokens, v.logprobs or None
+        return out
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], sampling: SamplingBatch,
                 launched: Callable[[], None] | None = None) -> Sampled:
@@ -253,11 +267,20 @@ class ModelRunner:
         slots: list[int] = []
         rows: list[int] = []
         samplers: list[ScheduledRequest] = []
+        spec_rows: list[int] = []
+        spec: list[SpecRows] = []
         for s in decodes + prefills:
             self._append_tokens(s, ids, pos, slots)
-            if s.samples:
+            if s.num_spec:  # every position from the newest known token on is scored
+                r = s.request
+                spec.append(SpecRows(r, r.spec_token_ids[: s.num_spec], len(spec_rows),
+                                     self._generator(s), None if r.spec_probs is None
+                                     else r.spec_probs[: s.num_spec]))
+                spec_rows.extend(range(len(ids) - s.num_spec - 1, len(ids)))
+            elif s.samples:
                 rows.append(len(ids) - 1)
                 samplers.append(s)
+        rows += spec_rows
         dev = self.device
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
@@ -266,14 +289,16 @@ class ModelRunner:
             logits_rows=torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True),
             sample_ids=[s.request.request_id for s in samplers],
             sampling=self._sampling_batch(samplers),
+            spec=spec,
         )
 
     def _append_tokens(self, s: ScheduledRequest, ids: list[int], pos: list[int],
                        slots: list[int]) -> None:
         req, bs = s.request, self.block_size
         start = req.num_computed_tokens
+        known = start + s.num_new_tokens - s.num_spec
         for p in range(start, start + s.num_new_tokens):
-            ids.append(req.token_at(p))
+            ids.append(req.token_at(p) if p < known else req.spec_token_ids[p - known])
             pos.append(p)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
 
@@ -306,14 +331,41 @@ class ModelRunner:
         )
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
-        seed = s.request.params.seed
-        if seed is None or s.request.params.greedy:
+        return self.generator(s.request)
+
+    def generator(self, req: Request) -> torch.Generator | None:
+        """A seeded request's own generator (None: unseeded or greedy)."""
+        seed = req.params.seed
+        if seed is None or req.params.greedy:
             return None
-        rid = s.request.request_id
+        rid = req.request_id
         g = self._generators.get(rid)
         if g is None:  # sample i of an n > 1 request uses seed + i
-            g = self._generators[rid] = torch.Generator().manual_seed(seed + s.request.index)
-            done = len(s.request.output_token_ids)
+            g = self._generators[rid] = torch.Generator().manual_seed(seed + req.index)
+            done = len(req.output_token_ids)
             if done:  # a request continued from its tokens: one draw was spent on each
                 torch.rand(done, generator=g)
         return g
+
+    @torch.inference_mode()
+    def last_logits(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """Run a step and return only the logits of each scheduled sequence's last row,
+        in the order given (a draft model's proposal steps: no sampling here)."""
+        decodes, prefills = self._split(SchedulerOutput(scheduled))
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        rows: dict[int, int] = {}
+        for s in decodes + prefills:
+            self._append_tokens(s, ids, pos, slots)
+            rows[id(s)] = len(ids) - 1
+        order = torch.tensor([rows[id(s)] for s in scheduled], dtype=torch.int64)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
+        positions = torch.tensor(pos, dtype=torch.int64).to(dev)
+        meta = self._metadata(decodes, prefills, slots)
+        if self.cpu_step is not None and self.cpu_step.fits(len(ids)):
+            logits = self.cpu_step.run(input_ids, positions, meta)  # type: ignore[arg-type]
+            return logits[order]
+        # the model computes the rows asked for, in the order asked
+        return self._forward(input_ids, positions, meta, order.to(dev))

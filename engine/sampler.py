@@ -307,18 +307,26 @@ class Sampler:
         rows = _rows(batch, lambda p: not p.greedy)
         every = len(rows) == len(batch.params)
         idx = torch.tensor(rows, dtype=torch.int64)
-        params = [batch.params[i] for i in rows]
-        x = apply_temperature(logits if every else logits[idx],
-                              torch.tensor([p.temperature for p in params]))
+        probs = self.probs(logits if every else logits[idx], [batch.params[i] for i in rows])
+        drawn = sample_from(probs, self._uniform([batch.generators[i] for i in rows]))
+        return drawn if every else argmax_rows(logits).index_copy(0, idx, drawn)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distributions sampled rows draw from: processed logits (Sampler.process)
+        through temperature, top_k, top_p and min_p, softmaxed. A new tensor."""
+        x = apply_temperature(logits, torch.tensor([p.temperature for p in params]))
         vocab = x.shape[-1]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
             x = apply_top_k_top_p(x, ks, torch.tensor([p.top_p for p in params]))
         if any(p.min_p > 0 for p in params):
             x = apply_min_p(x, torch.tensor([p.min_p for p in params]))
-        probs = torch.softmax(x, dim=-1)
-        drawn = sample_from(probs, self._uniform([batch.generators[i] for i in rows]))
-        return drawn if every else argmax_rows(logits).index_copy(0, idx, drawn)
+        return torch.softmax(x, dim=-1)
+
+    def uniform(self, generator: torch.Generator | None) -> float:
+        """One U[0, 1) number: from `generator` (a seeded request's) or the shared one."""
+        return float(torch.rand(1, generator=generator or self.generator)[0])
 
     def _uniform(self, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One U[0, 1) number per row: from the row's own generator when it has one."""

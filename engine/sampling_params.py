@@ -68,6 +68,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # a JSON schema, JSON object, regex, choice or grammar (ResponseFormat.parse's shapes)
     response_format: ResponseFormat | None = None
+    # False: this request never runs speculative proposals (an engine started with
+    # speculative decoding otherwise proposes for every decoding request)
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1)
@@ -84,7 +87,7 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _integer("n", self.n, 1, MAX_N)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
         object.__setattr__(self, "logit_bias", self._bias(self.logit_bias))

@@ -26,12 +26,15 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens to run this step, starting at num_computed_tokens
     block_ids: list[int]  # the request's whole block table after allocation
+    # of num_new_tokens, proposals (request.spec_token_ids[:num_spec]) run after the
+    # newest known token, to be verified: every one of those rows samples
+    num_spec: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so it needs logits."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec == r.num_tokens
 
 
 @dataclass
@@ -100,6 +103,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.spec_token_ids and n == 1 and req.decoding:
+                spec = min(len(req.spec_token_ids), budget - 1)
+                # proposals run only where they fit: never a preemption for them
+                if spec > 0 and self.kv.allocate_slots(req, 1 + spec):
+                    out.scheduled.append(ScheduledRequest(
+                        req, 1 + spec, self.kv.block_ids(req.request_id), spec))
+                    budget -= 1 + spec
+                    i += 1
+                    continue
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -198,18 +210,22 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
             budget -= n
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               verified: dict[str, list[int]] | None = None) -> list[Request]:
         """advance() then commit(): the whole post-step update at once."""
-        touched = self.advance(out, sampled)
+        touched = self.advance(out, sampled, verified)
         self.commit(out)
         return touched
 
-    def advance(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def advance(self, out: SchedulerOutput, sampled: dict[str, int],
+                verified: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens, set the finished status.
         commit() must follow before the next schedule(): the engine publishes the step's
         outputs in between, so the block bookkeeping is not in front of them.
 
-        `sampled` maps request id -> token for the requests that sampled this step.
+        `sampled` maps request id -> token for the requests that sampled this step;
+        `verified` maps the id of a request that ran proposals to the tokens it keeps
+        (the accepted proposals, then the target's own next token).
         Returns the requests that produced a token or finished this step."""
         touched: list[Request] = []
         finishing = self._finishing
@@ -218,17 +234,46 @@ class Scheduler:
             req = s.request
             if req.status is not running:
                 continue  # aborted while the step ran
+            if s.num_spec:
+                self._advance_verified(s, (verified or {})[req.request_id])
+                touched.append(req)
+                if req.status.finished:
+                    finishing.append(req)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             token = sampled.get(req.request_id)
             if token is None:
                 continue
             req.append_output(token)
+            req.num_new_tokens_last = 1
             touched.append(req)
             status = req.check_stop()
             if status is not None:
                 req.status = status
                 finishing.append(req)
         return touched
+
+    def _advance_verified(self, s: ScheduledRequest, tokens: list[int]) -> None:
+        """A step that verified proposals: the fed token and the accepted proposals are
+        computed; the rejected ones' KV slots are rolled back (the blocks that held only
+        them go back to the pool, and no block is published past the computed tokens)."""
+        req = s.request
+        req.spec_steps += 1
+        req.spec_proposed += s.num_spec
+        req.spec_accepted += len(tokens) - 1
+        computed = req.num_computed_tokens + len(tokens)
+        n = 0
+        for t in tokens:
+            req.append_output(t)
+            n += 1
+            status = req.check_stop()
+            if status is not None:  # the rest is dropped
+                req.status = status
+                break
+        req.num_new_tokens_last = n
+        req.num_computed_tokens = min(computed, req.num_tokens - (not req.status.finished))
+        if not req.status.finished:
+            self.kv.trim(req)
 
     def commit(self, out: SchedulerOutput) -> None:
         """Publish the blocks the step filled to the prefix cache, then free the

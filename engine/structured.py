@@ -317,9 +317,20 @@ class Matcher:
     def accept(self, token_id: int) -> bool:
         return bool(self._m.accept_token(token_id))
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative proposals)."""
+        self._m.rollback(num_tokens)
+
     @property
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())
+
+
+def new_bitmask(rows: int, vocab: int) -> Any:
+    """An all-allowed [rows, ceil(vocab / 32)] int32 token bitmask."""
+    import xgrammar as xgr
+
+    return xgr.allocate_token_bitmask(rows, vocab)
 
 
 def apply_masks(logits: Any, matchers: list[Matcher | None]) -> None:
@@ -327,16 +338,20 @@ def apply_masks(logits: Any, matchers: list[Matcher | None]) -> None:
     rows without a matcher are untouched. logits: contiguous fp32 or bf16 [rows, vocab]
     on the CPU. (xgrammar's own CPU apply took ~10 ms for 64 rows of a 49k vocabulary here;
     Tidewire's CPU op takes a fraction of that: kernels/cpu/ops.cpp.)"""
-    import xgrammar as xgr
-
-    from kernels import cpu_ops, reference
-
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    bitmask = new_bitmask(len(matchers), logits.shape[-1])
     for i in rows:
         matchers[i].fill(bitmask, i)  # type: ignore[union-attr]  # rows have matchers
+    apply_bitmask(logits, bitmask, rows,
+                  {i: matchers[i].stop_token for i in rows})  # type: ignore[union-attr]
+
+
+def apply_bitmask(logits: Any, bitmask: Any, rows: list[int], stop_tokens: dict[int, int]) -> None:
+    """Mask logits' `rows` by their bitmask rows (filled by matchers), in place."""
+    from kernels import cpu_ops, reference
+
     if cpu_ops.available():
         cpu_ops.apply_token_bitmask(logits, bitmask, rows)
     else:
@@ -350,4 +365,4 @@ def apply_masks(logits: Any, matchers: list[Matcher | None]) -> None:
     idx = torch.tensor(rows)
     dead = idx[(bitmask[idx] == 0).all(dim=-1)].tolist()
     for i in dead:
-        logits[i, matchers[i].stop_token] = 0.0  # type: ignore[union-attr]  # rows have matchers
+        logits[i, stop_tokens[i]] = 0.0

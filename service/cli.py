@@ -204,6 +204,17 @@ def _engine_args(g: Any) -> None:
             help="tokens one engine step may process (decodes plus prefill chunks)")
     env_arg(g, "--max-num-seqs", "MAX_NUM_SEQS", type=int, default=64,
             help="sequences one engine step may batch")
+    env_arg(g, "--speculative", "SPECULATIVE", default="none", choices=["none", "ngram", "draft"],
+            help="speculative decoding: ngram proposes the tokens that followed the last few "
+                 "tokens' earlier occurrence in the prompt or output (no second model); draft "
+                 "runs --draft-model. The output is exactly what it is without (greedy: the "
+                 "same tokens; sampled: the same distribution)")
+    env_arg(g, "--num-speculative-tokens", "NUM_SPECULATIVE_TOKENS", type=int, default=4,
+            help="tokens proposed per request per step")
+    env_arg(g, "--draft-model", "DRAFT_MODEL", default=None,
+            help="--speculative draft: a smaller model with the same tokenizer (name or path)")
+    env_arg(g, "--speculative-max-batch", "SPECULATIVE_MAX_BATCH", type=int, default=16,
+            help="no proposals in a step with more running requests than this (0: no limit)")
 
 
 def _kv_args(g: Any) -> None:
@@ -261,6 +272,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         attention_backend=a.attention_backend, enforce_eager=a.enforce_eager,
         threads=a.threads, max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs, block_size=a.block_size, kv_cache_dtype=a.kv_cache_dtype,
+        speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens,
+        draft_model=a.draft_model, speculative_max_batch=a.speculative_max_batch,
         kv_cache_memory=_gib(a.kv_cache_memory_gb), num_kv_blocks=a.num_kv_blocks,
         enable_prefix_caching=a.prefix_caching, kv_prefault=a.kv_prefault, kv_tier=a.kv_tier,
         redis_url=a.redis_url,
@@ -527,6 +540,8 @@ BENCHES = {  # subcommand -> one-line help
             "TTFT and delivery, server RSS/fds over time, KV blocks back (--duration: a soak)",
     "sampling": "judged questions at several temperatures: how a model's default sampling "
                 "was chosen",
+    "spec": "speculative decoding on and off side by side: a repetitive workload (one "
+            "stream and batch 8) and chat-64; tok/s, speed-up, acceptance",
     "accuracy": "teacher-forced agreement with HF fp32 of bf16, int8 KV cache and int8 "
                 "weights (top-1, KL, perplexity on a text)",
 }

@@ -166,6 +166,15 @@ def delta_frame(rid: str, seq: int, index: int, n: int, token_ids: list[int], te
     return d
 
 
+def spec_timings(spec: tuple[int, int, int]) -> dict[str, float]:
+    """done.timings' speculative-decoding fields, from (verifying steps, proposed,
+    accepted)."""
+    steps, proposed, accepted = spec
+    return {"spec_steps": steps, "spec_proposed": proposed, "spec_accepted": accepted,
+            "spec_acceptance": round(accepted / proposed, 4) if proposed else 0.0,
+            "spec_accepted_per_step": round(accepted / steps, 4) if steps else 0.0}
+
+
 def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str,
                track: Timings, tools: Tools | None = None,
                calls: dict[int, CallStream] | None = None) -> dict[str, Any]:
@@ -178,6 +187,9 @@ def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str
                   "cached_tokens": cached_tokens(last)},
         "timings": track.summary(completion, adm.stream.queue_time),
     }
+    spec = last.spec if last is not None else None
+    if spec is not None:
+        done["timings"].update(spec_timings(spec))
     reasons = [FINISH.get(o.finish_reason or "error", "error")
                for o in last.outputs] if last else []
     if tools is not None and last is not None:

@@ -281,6 +281,7 @@ class Gateway:
             self.token_budget.charge(key, sum(len(o.token_ids) for o in adm.stream.output.outputs))
         self.metrics.requests.labels(finish_reason or "unknown").inc()
         self.metrics.e2e.observe(time.monotonic() - adm.arrival)
+        self.metrics.observe_spec(adm.stream.output.spec)
         if adm.stream.sampled_at:  # it was admitted: its wait for a batch slot is known
             self.metrics.queue.observe(adm.stream.queue_time)
 

@@ -7,12 +7,16 @@ from typing import TYPE_CHECKING
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                ProcessCollector, generate_latest)
 
+from engine.runtime import malloc_stats
+
 if TYPE_CHECKING:
     from engine.stats import EngineStats
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _DELIVERY = (5e-5, 1e-4, 2e-4, 3e-4, 5e-4, 7.5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2.5e-2,
              5e-2, 0.1, 0.25, 1.0)
+_RATIO = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_PER_STEP = (0.25, 0.5, 1, 1.5, 2, 3, 4, 6, 8, 16)
 
 
 class Metrics:
@@ -76,6 +80,25 @@ class Metrics:
                                         "Times a tier's circuit breaker opened (cumulative)",
                                         ["tier"], registry=r)
 
+        self.malloc = Gauge("tidewire_malloc_bytes", "glibc heap by kind: heap (from the OS), "
+                            "in_use, free (kept by the allocator), mmap", ["kind"], registry=r)
+        # speculative decoding, one observation per finished request that verified proposals
+        self.spec_acceptance = Histogram(
+            "tidewire_spec_acceptance_ratio", "Per request: proposed tokens the target "
+            "accepted, over those proposed", buckets=_RATIO, registry=r)
+        self.spec_accepted = Histogram(
+            "tidewire_spec_accepted_tokens_per_step", "Per request: accepted proposals per "
+            "verifying step (each step also adds the target's own token)",
+            buckets=_PER_STEP, registry=r)
+
+    def observe_spec(self, spec: tuple[int, int, int] | None) -> None:
+        """A finished request's (verifying steps, proposed, accepted), if it speculated."""
+        if spec is None or not spec[0]:
+            return
+        steps, proposed, accepted = spec
+        self.spec_acceptance.observe(accepted / proposed if proposed else 0.0)
+        self.spec_accepted.observe(accepted / steps)
+
     def observe_engine(self, st: EngineStats) -> None:
         """Gauges from the engine's last published stats (engine/stats.py)."""
         self.running.set(st.running)
@@ -98,4 +121,8 @@ class Metrics:
             self.tier_breaker_trips.labels(t.name).set(t.breaker_trips)
 
     def render(self) -> bytes:
+        heap = malloc_stats()
+        if heap is not None:
+            for kind, n in heap.items():
+                self.malloc.labels(kind).set(n)
         return generate_latest(self.registry)

@@ -53,6 +53,7 @@ SAMPLING: dict[str, Any] = {
     "ignore_eos": _nullable({"type": "boolean"}),
     "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
     "skip_special_tokens": _nullable({"type": "boolean"}),
+    "speculative": _nullable({"type": "boolean"}),
     "model": {"type": "string"}, "user": {"type": "string"},
     "stream": _nullable({"type": "boolean"}),
     "stream_options": _nullable({"type": "object",

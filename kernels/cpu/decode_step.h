@@ -85,10 +85,13 @@ inline auto step_kv(const StepModel<T>& m, int64_t l) {
                       m.num_blocks * m.block_size, m.head_dim};
 }
 
+// rows: the query tokens of num_seqs sequences (qstart: each one's first row), one per
+// decode, a few for a decode verifying speculative proposals or a short chunk.
 // x [rows, hidden]: the embeddings in, the residual stream afterwards. logits [rows, vocab].
 // C: the caches' element type (T, or uint8_t for q8 caches).
 template <int ND, typename T, typename C>
-void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const int64_t* positions,
+void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t num_seqs,
+                      const int64_t* positions,
                       const int64_t* slots, const int32_t* table, int64_t table_width,
                       const int32_t* seq_lens, const int32_t* qstart, const float* cos_t,
                       const float* sin_t, float attn_scale) {
@@ -98,7 +101,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, const in
   const int nt = at::get_num_threads();
   AttnShape sh{H, KVH, H / KVH, D, m.block_size, m.num_blocks, table_width, qkv_out, H * D,
                attn_scale};
-  AttnPlan plan(seq_lens, qstart, rows, sh, nt);
+  AttnPlan plan(seq_lens, qstart, num_seqs, sh, nt);
   std::vector<T> h(rows * hidden), qkv(rows * qkv_out), att(rows * H * D), tmp(rows * hidden),
       gu(rows * 2 * I), act(rows * I);
   std::unique_ptr<std::atomic<size_t>[]> next(new std::atomic<size_t>[m.layers]);

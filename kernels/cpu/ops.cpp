@@ -312,7 +312,8 @@ void decode_step_with(at::Tensor& logits, at::Tensor& x, const at::Tensor& posit
                       const at::Tensor& qstart, const at::Tensor& cos, const at::Tensor& sin,
                       const StepModel<T>& m, double scale, int rows) {
   decode_step_impl<ND, T, C>(
-      m, logits.data_ptr<T>(), x.data_ptr<T>(), rows, positions.const_data_ptr<int64_t>(),
+      m, logits.data_ptr<T>(), x.data_ptr<T>(), rows, seq_lens.size(0),
+      positions.const_data_ptr<int64_t>(),
       slots.const_data_ptr<int64_t>(), table.const_data_ptr<int32_t>(), table.size(1),
       seq_lens.const_data_ptr<int32_t>(), qstart.const_data_ptr<int32_t>(),
       cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), float(scale));
@@ -348,26 +349,31 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
                  const c10::List<c10::optional<at::Tensor>>& scales,
                  const c10::List<c10::optional<at::Tensor>>& biases, double eps, double scale,
                  int64_t num_heads) {
-  const int64_t rows = x.size(0);
-  check(rows >= 1 && rows <= kMaxLinearRows, "decode_step takes 1 to 8 sequences");
+  const int64_t rows = x.size(0), num_seqs = seq_lens.size(0);
+  check(rows >= 1 && rows <= kMaxLinearRows, "decode_step takes 1 to 8 query tokens");
   check(x.is_contiguous() && logits.is_contiguous() && logits.size(0) == rows &&
             logits.scalar_type() == x.scalar_type(),
         "decode_step: x [rows, hidden] and logits [rows, vocab] contiguous, one dtype");
   check(positions.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
             block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
             query_start.scalar_type() == at::kInt && block_table.is_contiguous() &&
-            seq_lens.size(0) == rows && query_start.size(0) == rows + 1,
+            num_seqs >= 1 && num_seqs <= rows && query_start.size(0) == num_seqs + 1,
         "decode_step: int64 positions and slots, int32 block table, seq_lens, query_start");
   check(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
             sin.scalar_type() == at::kFloat && cos.dim() == 2 && cos.sizes() == sin.sizes(),
         "decode_step: fp32 cos/sin tables");
   check(positions.is_contiguous() && slot_mapping.is_contiguous() && seq_lens.is_contiguous() &&
             query_start.is_contiguous() && positions.size(0) == rows &&
-            slot_mapping.size(0) == rows && block_table.size(0) >= rows,
+            slot_mapping.size(0) == rows && block_table.size(0) >= num_seqs,
         "decode_step: contiguous positions, slots (one per row), seq_lens, query_start");
+  // each sequence has one query token (a decode) or a few (a decode verifying speculative
+  // proposals, a short chunk): the last q_len tokens of its seq_len
   const int32_t* qs = query_start.const_data_ptr<int32_t>();
-  for (int64_t r = 0; r <= rows; ++r)
-    check(qs[r] == r, "decode_step: one query token per sequence (query_start = 0..n)");
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  check(qs[0] == 0 && qs[num_seqs] == rows, "decode_step: query_start must run from 0 to rows");
+  for (int64_t s = 0; s < num_seqs; ++s)
+    check(qs[s + 1] > qs[s] && lens[s] >= qs[s + 1] - qs[s],
+          "decode_step: each sequence has query tokens, at most its length");
   const bool q8 = !k_caches.empty() && k_caches[0].scalar_type() == at::kByte;
   if (x.scalar_type() == at::kFloat) {
     auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps);

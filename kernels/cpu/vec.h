@@ -83,6 +83,41 @@ inline float hsum(f32x16 v) {
 
 inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
+// 8-lane vectors: what CPUs without AVX-512 hold in one register. Their kernels use these
+// (GCC spills 16-lane generic vectors to the stack there once a loop keeps several).
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+inline f32x8 load8(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f32x8 load8(const c10::BFloat16* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof(h));
+  u32x8 w = __builtin_convertvector(h, u32x8) << 16;  // bf16 is the top half of fp32
+  f32x8 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline f32x8 load8(const int8_t* p) {
+  i8x8 b;
+  std::memcpy(&b, p, sizeof(b));
+  return __builtin_convertvector(__builtin_convertvector(b, i32x8), f32x8);
+}
+
+inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float hsum8(f32x8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
 // Lane k of the result = hsum(v[k]), for 16 vectors at once: a butterfly of shuffles and
 // adds (~3 operations a vector instead of ~8 for separate horizontal sums). Halving the
 // width level by level leaves the sums in bit-reversed lane order, undone at the end.
