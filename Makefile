@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint fuzz chaos scale-out soak serve bench clean
+.PHONY: install system-deps test lint fuzz chaos scale-out soak spec serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -48,6 +48,11 @@ test: install
 fuzz: install
 	TIDEWIRE_WS_FUZZ_FRAMES=10000 TIDEWIRE_FUZZ_EXAMPLES=300 \
 		$(VPY) -m pytest -rs -s tests/test_ws_fuzz.py tests/test_openapi.py
+
+# speculative decoding at full length: the chi-square test of sampled output over 20,000
+# draws per run (make test runs 4,000)
+spec: install
+	TIDEWIRE_SPEC_DRAWS=20000 $(VPY) -m pytest -rs tests/test_spec_decode.py
 
 # the chaos suite at full length (make test runs its short form): Redis killed, slow,
 # cutting connections and corrupt; 500-socket disconnect storms; SIGTERM under load; an
