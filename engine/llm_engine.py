@@ -550,10 +550,14 @@ class LLMEngine:
 
     @staticmethod
     def _truncate(r: Request, drop: int) -> None:
-        """Drop the last `drop` of this step's tokens (they came after the request's end)."""
+        """Drop the last `drop` of this step's tokens (they came after the request's end:
+        a stop string, a constraint's end). One that max_tokens ended at the last token
+        dropped ended earlier, on its stop: as it would have one token a step."""
         if drop:
             del r.output_token_ids[-drop:]
             r.num_new_tokens_last -= drop
+            if r.status is RequestStatus.FINISHED_LENGTH:
+                r.status = RequestStatus.FINISHED_STOPPED
 
     @staticmethod
     def _then_ship(offload: KVOffload, launched: Callable[[], None] | None) -> None:
@@ -610,11 +614,9 @@ class LLMEngine:
         for j, t in enumerate(new):
             pieces.append(detok.push([t], finished and j == len(new) - 1))
             if detok.stop_hit is not None:
-                drop = len(new) - j - 1
-                if drop:
-                    del r.output_token_ids[-drop:]
-                    new = new[: j + 1]
-                    logprobs = None if logprobs is None else logprobs[: j + 1]
+                self._truncate(r, len(new) - j - 1)
+                new = new[: j + 1]
+                logprobs = None if logprobs is None else logprobs[: j + 1]
                 break
         return "".join(pieces), new, logprobs
 

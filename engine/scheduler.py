@@ -105,8 +105,11 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.spec_token_ids and n == 1 and req.decoding:
                 spec = min(len(req.spec_token_ids), budget - 1)
-                # proposals run only where they fit: never a preemption for them
-                if spec > 0 and self.kv.allocate_slots(req, 1 + spec):
+                # Proposals run only where they fit, never at the cost of a preemption:
+                # a block stays free for each running request after this one (what a
+                # decode crossing into a new block needs).
+                reserve = len(self.running) - i - 1
+                if spec > 0 and self.kv.allocate_slots(req, 1 + spec, reserve_blocks=reserve):
                     out.scheduled.append(ScheduledRequest(
                         req, 1 + spec, self.kv.block_ids(req.request_id), spec))
                     budget -= 1 + spec

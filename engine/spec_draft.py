@@ -86,6 +86,9 @@ class DraftProposer:
             max_num_seqs=engine.config.scheduler.max_num_seqs,
             max_model_len=engine.max_model_len, enforce_eager=engine.config.enforce_eager)
         self.seqs: dict[str, DraftSeq] = {}
+        # tokens one round may feed to catch requests up (a new request's whole prompt):
+        # the step's token budget, as for the target
+        self.max_catch_up = engine.config.scheduler.max_num_batched_tokens
         log.info("draft model %s: %d layers, %d KV blocks", config.draft_model,
                  arch.num_layers, self.num_blocks)
 
@@ -124,18 +127,34 @@ class DraftProposer:
     def propose(self, reqs: list[Request], ks: list[int]) -> None:
         keep = {r.request_id for r in reqs}
         live: list[tuple[Request, DraftSeq, int]] = []
+        behind: list[ScheduledRequest] = []  # catching up over several rounds first
+        budget = self.max_catch_up
         for req, k in zip(reqs, ks):
             seq = self._sync(req)
+            need = req.num_tokens - seq.num_computed_tokens
+            if need > budget:  # a long prompt: a chunk now, proposals once caught up
+                if budget > 1 and self._allocate(seq, budget - 1, keep):
+                    behind.append(ScheduledRequest(seq, budget - 1,  # type: ignore[arg-type]
+                                                   self.kv.block_ids(seq.request_id)))
+                    budget = 0
+                continue
             # this round feeds the tokens the draft lacks, then k - 1 proposals
-            if self._allocate(seq, req.num_tokens - seq.num_computed_tokens + k - 1, keep):
+            if self._allocate(seq, need + k - 1, keep):
                 seq.trusted = req.num_tokens
                 live.append((req, seq, k))
+                budget -= need
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _, _ in live}
-        while live:
+        while live or behind:
             sched = [ScheduledRequest(seq, seq.num_tokens - seq.num_computed_tokens,  # type: ignore[arg-type]
                                       self.kv.block_ids(seq.request_id)) for _, seq, _ in live]
-            logits = self.runner.last_logits(sched)
-            drawn = self._draw(logits, [req for req, _, _ in live], probs)
+            logits = self.runner.last_logits(sched + behind)
+            for s in behind:  # (their logits are not used)
+                s.request.num_computed_tokens += s.num_new_tokens
+                s.request.trusted = s.request.num_computed_tokens  # type: ignore[attr-defined]
+            behind = []
+            if not live:
+                break
+            drawn = self._draw(logits[: len(sched)], [req for req, _, _ in live], probs)
             nxt = []
             for (req, seq, k), s, t in zip(live, sched, drawn):
                 seq.num_computed_tokens += s.num_new_tokens

@@ -126,3 +126,41 @@ def test_watermark_holds_back_admission_only_while_others_run() -> None:
     s2 = make(num_blocks=4, block_size=4, budget=64, watermark=0.5)
     s2.add(req("solo", 16, max_tokens=1))
     assert chunks(run(s2)) == [("solo", 16)]  # nothing running: the watermark doesn't apply
+
+
+def test_proposals_take_no_block_another_request_needs() -> None:
+    """Speculative proposals run only where they fit: never at the cost of a
+    preemption. Verified tokens advance the request; rejected slots are rolled back and
+    the blocks that held only them go back to the pool."""
+    s = make(num_blocks=4, block_size=4, budget=32, prefix=False)
+    s.add(req("a", 3, max_tokens=20))
+    s.add(req("b", 8, max_tokens=20, start=50))
+    run(s)  # a: 4 tokens (1 block), b: 9 tokens (2 blocks, its next decode needs a 3rd)
+    a, b = s.requests["a"], s.requests["b"]
+    a.spec_token_ids = [1, 2, 3, 4]  # would need a's 2nd block: the one b needs next
+    out = s.schedule()
+    assert chunks(out) == [("a", 1), ("b", 1)] and not out.preempted
+    s.update(out, {"a": 7, "b": 7})
+    # with room, they run: a verifies 1 + 2 proposals and keeps 1 of them plus its own
+    a.spec_token_ids, b.spec_token_ids = [5, 6], []
+    s.kv.free(b)  # (b's blocks back: room for a's proposals)
+    s.running.remove(b)
+    del s.requests["b"]
+    out = s.schedule()
+    assert chunks(out) == [("a", 3)] and out.scheduled[0].num_spec == 2
+    assert len(s.kv.block_ids("a")) == 2  # 5 known + 2 proposed positions
+    before = a.num_computed_tokens
+    s.update(out, {}, {"a": [5, 9]})  # 5 accepted, 6 rejected, 9 is the model's own
+    assert a.output_token_ids[-2:] == [5, 9] and a.num_computed_tokens == before + 2
+    assert a.num_computed_tokens == a.num_tokens - 1
+    assert len(s.kv.block_ids("a")) == 2  # 7 tokens still need both
+    s.kv.check_integrity()
+    assert (a.spec_steps, a.spec_proposed, a.spec_accepted) == (1, 2, 1)
+    # proposals into a third block, all rejected: that block goes back
+    a.spec_token_ids = [1, 2, 3, 4]
+    out = s.schedule()
+    assert out.scheduled[0].num_spec == 4 and len(s.kv.block_ids("a")) == 3
+    s.update(out, {}, {"a": [8]})
+    assert a.num_tokens == 8 and len(s.kv.block_ids("a")) == 2
+    assert s.kv.num_free_blocks == 2
+    s.kv.check_integrity()

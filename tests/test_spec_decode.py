@@ -196,6 +196,33 @@ def test_stop_strings_eos_and_max_tokens_match_without(tiny_chat_model) -> None:
     _clean(spec)
 
 
+def test_a_stop_string_before_max_tokens_in_one_step_reports_stop(tiny_chat_model) -> None:
+    """A step whose accepted run both completes a stop string and reaches max_tokens
+    ends on the stop string with finish_reason "stop", as one token a step would. (The
+    target as its own draft: every proposal is accepted, steps of 5 tokens.)"""
+    base = LLM(model=str(tiny_chat_model), dtype="float32")
+    spec = LLM(model=str(tiny_chat_model), dtype="float32", speculative="draft",
+               draft_model=str(tiny_chat_model), speculative_min_acceptance=0.0)
+    text = "the cat sat on the mat. " * 4
+    free = base.generate([text], SamplingParams(max_tokens=24, temperature=0.0,
+                                                ignore_eos=True))[0]
+    tok = base.engine.tokenizer
+    seen = 0
+    for j in range(2, 20):
+        piece = tok.decode(free.token_ids[j: j + 1]).strip()
+        before = tok.decode(free.token_ids[:j])
+        if len(piece) < 2 or piece in before:
+            continue
+        params = SamplingParams(max_tokens=j + 2, temperature=0.0, ignore_eos=True,
+                                stop=[piece])
+        want, got = base.generate([text], params)[0], spec.generate([text], params)[0]
+        assert got.token_ids == want.token_ids and got.text == want.text, j
+        assert (got.finish_reason, got.outputs[0].stop_reason) == ("stop", piece), j
+        seen += 1
+    assert seen >= 3
+    _clean(spec)
+
+
 def test_constrained_output_with_proposals(tiny_chat_model) -> None:
     """A response_format's mask applies to every verified row (its automaton walked
     along the proposals): the output matches the run without speculation and parses."""
@@ -281,11 +308,11 @@ def _near_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9])
 def test_sampled_distribution_is_kept(tiny_models, tmp_path, top_p: float) -> None:
-    """20,000 samples (make spec; 4,000 in make test) of a peaked tiny model's 2nd to 4th tokens (the positions verified
-    with proposals), with and without speculation, n-gram and draft: chi-square p > 0.01
-    for each position and proposer. The prompt is the model's own greedy text, so that
-    prompt lookup proposes what the model often samples (both the accepting and the
-    rejecting paths run thousands of times)."""
+    """20,000 samples (make spec; 4,000 in make test) of a peaked tiny model's 2nd to
+    4th tokens (the positions verified with proposals), with and without speculation,
+    n-gram and draft: chi-square p > 0.01 for each position and proposer. The prompt is
+    the model's own greedy text, so that prompt lookup proposes what the model often
+    samples (both the accepting and the rejecting paths run thousands of times)."""
     target = tiny_models("llama", 0, vocab_size=24, initializer_range=0.6)
     draft = _near_copy(target, tmp_path / "draft", noise=0.05)
     common = dict(dtype="float32", max_num_seqs=512, max_num_batched_tokens=4096,
