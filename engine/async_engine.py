@@ -24,6 +24,7 @@ from typing import Any
 
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loader import cache_root
+from engine.runtime import HeapTrimmer
 from engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
@@ -391,6 +392,7 @@ class AsyncEngine:
         if not self._tell_loaded(loaded, None):
             return
         eng = self.engine
+        self.trimmer = HeapTrimmer()  # (off unless the entry point tuned the allocator)
         overlap = self.config.async_output and eng.runner.overlaps
         # The loop is a pipeline: take commands, then schedule and launch a step, and
         # finish the previous one (send its outputs) once this one is under way.
@@ -403,6 +405,9 @@ class AsyncEngine:
                     break
                 pending = self._step(pending, overlap)
                 self._stats = eng.stats(self._adds_taken)
+                if self.trimmer.maybe():
+                    log.debug("heap trimmed (%d trims, %.3f s in all)", self.trimmer.trims,
+                              self.trimmer.seconds)
         except BaseException as e:  # the engine is broken: fail every request, loudly
             log.exception("engine thread died")
             self.dead = e

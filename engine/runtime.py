@@ -8,6 +8,8 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import time
+from collections.abc import Callable
 
 # libgomp's default (300,000 spins) keeps an idle worker spinning for milliseconds after
 # each of the engine's parallel regions: on a small machine that steals the core the
@@ -51,7 +53,13 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(mallopt(m_mmap_threshold, 32 << 20)) and bool(mallopt(m_trim_threshold, 256 << 20))
+    global _MALLOC_TUNED
+    _MALLOC_TUNED = bool(mallopt(m_mmap_threshold, 32 << 20)) and \
+        bool(mallopt(m_trim_threshold, 256 << 20))
+    return _MALLOC_TUNED
+
+
+_MALLOC_TUNED = False
 
 
 class _MallInfo2(ctypes.Structure):
@@ -73,3 +81,37 @@ def malloc_stats() -> dict[str, int] | None:
     fn.restype = _MallInfo2
     m = fn()
     return {"heap": m.arena, "in_use": m.uordblks, "free": m.fordblks, "mmap": m.hblkhd}
+
+
+class HeapTrimmer:
+    """Hands the heap's freed pages back to the OS now and then (glibc malloc_trim),
+    for a long-running server whose allocator was tuned by tune_malloc.
+
+    With a 256 MB trim threshold glibc keeps what it frees, so the server's RSS follows
+    the high-water mark of its heap: a 30-minute soak's RSS rose in two steps of ~30 MB
+    (6.1% over its warm-up baseline) while the memory in use stayed flat and the heap's
+    free pages rose by as much (tidewire_malloc_bytes). Every `every` seconds, when more
+    than `min_free` bytes are free, the engine thread trims between steps: the pages
+    freed since come back on first touch, and the high-water steps go away."""
+
+    def __init__(self, every: float = 60.0, min_free: int = 32 << 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every, self.min_free, self.clock = every, min_free, clock
+        self.enabled = _MALLOC_TUNED
+        self.next = clock() + every
+        self.trims = 0
+        self.seconds = 0.0  # spent trimming, in all
+
+    def maybe(self) -> bool:
+        """Trim if it is time and enough is free; whether it trimmed."""
+        if not self.enabled or self.clock() < self.next:
+            return False
+        self.next = self.clock() + self.every
+        heap = malloc_stats()
+        if heap is None or heap["free"] < self.min_free:
+            return False
+        t0 = time.perf_counter()
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        self.seconds += time.perf_counter() - t0
+        self.trims += 1
+        return True

@@ -324,3 +324,24 @@ def test_the_service_never_reads_engine_internals() -> None:
         text = path.read_text()
         for name in ("engine.engine", ".scheduler", "kv_offload", "engine.offload", "engine.kv."):
             assert name not in text, f"{path.name} reads {name}"
+
+
+def test_heap_trimmer_trims_on_schedule_when_enough_is_free() -> None:
+    """Between steps, at most once per `every` seconds (an injected clock), and only
+    when the heap keeps at least `min_free` bytes free: the RSS high-water steps of a
+    long soak go back to the OS."""
+    from engine.runtime import HeapTrimmer, malloc_stats
+
+    now = [0.0]
+    t = HeapTrimmer(every=60.0, min_free=0, clock=lambda: now[0])
+    t.enabled = malloc_stats() is not None  # glibc (the tuned server's case)
+    if not t.enabled:
+        pytest.skip("not glibc")
+    assert not t.maybe()  # not yet time
+    now[0] = 60.0
+    assert t.maybe() and t.trims == 1 and t.seconds > 0
+    now[0] = 90.0
+    assert not t.maybe()  # once a minute at most
+    picky = HeapTrimmer(every=1.0, min_free=1 << 50, clock=lambda: now[0] + 5)
+    picky.enabled = True
+    assert not picky.maybe() and picky.trims == 0  # too little free to bother
