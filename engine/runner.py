@@ -165,10 +165,10 @@ class ModelRunner:
         if not inputs.spec:
             return self._sample(logits, inputs.sample_ids, inputs.sampling)
         n = len(inputs.sample_ids)
-        out = self._sample(logits[:n], inputs.sample_ids, inputs.sampling)
+        sampled = self._sample(logits[:n], inputs.sample_ids, inputs.sampling)
         v = verify(self.sampler, logits[n:], inputs.spec)
-        out.verified, out.verified_logprobs = v.tokens, v.logprobs or None
-        return out
+        sampled.verified, sampled.verified_logprobs = v.tokens, v.logprobs or None
+        return sampled
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], sampling: SamplingBatch,
                 launched: Callable[[], None] | None = None) -> Sampled:
