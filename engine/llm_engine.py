@@ -492,16 +492,14 @@ class LLMEngine:
         vlps = sampled.verified_logprobs or {}
         outs = failed
         for r in touched:
-            rid = r.request_id
-            if rid in verified:  # one or more tokens
-                n = r.num_new_tokens_last
+            rid, n = r.request_id, r.num_new_tokens_last  # n > 1: accepted proposals
+            if rid in verified:
                 lpl = vlps.get(rid)
-                outs.append(self._emit(r, r.output_token_ids[-n:],
-                                       None if lpl is None else lpl[:n], now))
+                lpl = None if lpl is None else lpl[:n]
             else:
                 lp = lps.get(rid)
-                outs.append(self._emit(r, r.output_token_ids[-1:],
-                                       None if lp is None else [lp], now))
+                lpl = None if lp is None else [lp]
+            outs.append(self._emit(r, r.output_token_ids[-n:], lpl, now))
         if publish is not None:
             publish(outs)
         self.scheduler.commit(sched)
