@@ -51,6 +51,12 @@ class KVTier(ABC):
     def __init__(self) -> None:
         self.stats = TierStats()
 
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The most payload bytes this tier keeps at once; None when this process does
+        not bound it (Redis: the server's maxmemory and TTLs decide)."""
+        return None
+
     @abstractmethod
     def lookup(self, keys: Sequence[str]) -> int:
         """How many of `keys`, from the first, are present (the contiguous hit count).

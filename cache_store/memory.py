@@ -29,6 +29,10 @@ class MemoryTier(KVTier):
     def __len__(self) -> int:
         return len(self._data)
 
+    @property
+    def capacity_bytes(self) -> int | None:
+        return self.capacity
+
     def lookup(self, keys: Sequence[str]) -> int:
         n = 0
         with self._lock:

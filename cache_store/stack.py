@@ -21,6 +21,13 @@ class TierStack(KVTier):
         self.tiers = list(tiers)
         self.local = all(t.local for t in self.tiers)
 
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The largest tier's: a block any tier still has need not be written again
+        (a read from it refills the faster ones)."""
+        caps = [t.capacity_bytes for t in self.tiers]
+        return None if None in caps else max(c for c in caps if c is not None)
+
     def lookup(self, keys: Sequence[str]) -> int:
         """Contiguous run of keys each present in some tier (blocks of one prefix may
         be split between tiers: some still in memory, older ones only in Redis)."""

@@ -41,7 +41,10 @@ from engine.request import Request
 from engine.runner import ModelRunner
 
 LAYOUT = "layers,2,block_size,kv_heads,head_dim;v1"  # canonical block layout of the payload
-_KNOWN_LIMIT = 1 << 18  # hashes remembered as already in the tier (write dedupe)
+# hashes remembered as already in the tier (write dedupe), at most: ~190 B each (a 32-byte
+# hash and its ordered-dict entry), so ~50 MB when full. A tier of known size caps it
+# lower: past the number of blocks the tier holds, the oldest entries are surely stale.
+_KNOWN_LIMIT = 1 << 18
 _STAGING_BYTES = 64 << 20
 _LOOKUP_WAIT_PER_STEP = 0.002
 
@@ -95,6 +98,9 @@ class KVOffload:
         # Loads land here before going into the cache: allocated and touched once, since
         # faulting in tens of fresh MB per load cost more than the copies themselves.
         block_bytes = math.prod(self.shape) * self.dtype.itemsize
+        cap = tier.capacity_bytes
+        self.known_limit = _KNOWN_LIMIT if cap is None else \
+            max(1, min(_KNOWN_LIMIT, cap // block_bytes))
         n = max(1, min(kv.pool.num_blocks, _STAGING_BYTES // block_bytes))
         self._staging = torch.zeros((n, *self.shape), dtype=self.dtype)
         self._staging_bytes = self._staging.view(torch.uint8).reshape(n, -1).numpy()
@@ -288,7 +294,7 @@ class KVOffload:
         known = self._known
         known[h] = None
         known.move_to_end(h)
-        if len(known) > _KNOWN_LIMIT:
+        if len(known) > self.known_limit:
             known.popitem(last=False)
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ class HeapTrimmer:
     than `min_free` bytes are free, the engine thread trims between steps: the pages
     freed since come back on first touch, and the high-water steps go away."""
 
-    def __init__(self, every: float = 60.0, min_free: int = 32 << 20,
+    def __init__(self, every: float = 15.0, min_free: int = 16 << 20,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.every, self.min_free, self.clock = every, min_free, clock
         self.enabled = _MALLOC_TUNED

@@ -49,6 +49,8 @@ RESUME_WAIT_SECONDS = 5.0
 
 
 class Session:
+    clock = staticmethod(time.monotonic)  # (tests replace it on an instance)
+
     def __init__(self, ws: WebSocket, codec: Codec, gateway: Gateway, principal: Principal) -> None:
         self.ws, self.codec, self.gw, self.principal = ws, codec, gateway, principal
         self.limits = gateway.config.limits
@@ -110,9 +112,21 @@ class Session:
         if live.ended and self.unsent.get(live.rid) is live:
             del self.unsent[live.rid]  # its done is written to the transport
             self.recent.pop(live.rid, None)
-            self.recent[live.rid] = (live, time.monotonic())
+            self.recent[live.rid] = (live, self.clock())
             if len(self.recent) > RECENT_DONES:
                 del self.recent[next(iter(self.recent))]
+            self._expire_recent()
+
+    def _expire_recent(self) -> None:
+        """Forget the ends written over RECENT_DONE_SECONDS ago (oldest first: `recent` is
+        in write order). Kept past that they served no resume and held every request's
+        output (64 a socket: a soak's heap grew with them)."""
+        recent, since = self.recent, self.clock() - RECENT_DONE_SECONDS
+        while recent:
+            rid = next(iter(recent))
+            if recent[rid][1] >= since:
+                break
+            del recent[rid]
 
     async def _watchdog(self) -> None:
         """A send blocked past the timeout means the client is not reading: abort its
@@ -120,6 +134,7 @@ class Session:
         timeout = self.limits.slow_consumer_timeout
         while True:
             await asyncio.sleep(min(timeout / 4, 1.0))
+            self._expire_recent()  # (an idle socket's too)
             since = self.sender.sending_since
             if since is not None and time.monotonic() - since > timeout:
                 for live in self.live.values():
@@ -411,7 +426,7 @@ class Session:
             keep = dict(self.live)
             for rid, live in self.unsent.items():
                 keep.setdefault(rid, live)
-            since = time.monotonic() - RECENT_DONE_SECONDS
+            since = self.clock() - RECENT_DONE_SECONDS
             for rid, (live, when) in self.recent.items():
                 if when >= since:
                     keep.setdefault(rid, live)

@@ -768,3 +768,58 @@ async def test_a_done_written_just_before_a_drop_can_be_resumed(tiny_models) -> 
             assert len(sum((d["token_ids"] for d in deltas), [])) == 5
             assert [m["type"] for m in msgs].count("done") == 1
             assert msgs[-1]["status"] == "completed"
+
+
+async def test_ended_requests_leave_an_idle_socket_after_the_resume_window(tiny_models) -> None:
+    """An ended request stays resumable for RECENT_DONE_SECONDS after its done was
+    written, then the socket forgets it even if it never sends or ends anything again
+    (before, each socket kept its last 64 ended requests' outputs for its lifetime)."""
+    from service.session import RECENT_DONE_SECONDS
+
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                           limits=Limits(resume_grace=30))
+    with run_server(config) as s:
+        ws, c = await open_client(s)
+        sid = c.ready["session_id"]
+        await c.send({"type": "generate", "id": "t", "prompt_token_ids": [5, 6, 7],
+                      "params": {"max_tokens": 3, "ignore_eos": True}})
+        await c.until_done({"t"})
+        session = next(x for x in s.gateway.sessions if x.session_id == sid)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while "t" not in session.recent:
+            assert loop.time() < deadline, "its done was never recorded as written"
+            await asyncio.sleep(0.01)
+        later = session.recent["t"][1] + RECENT_DONE_SECONDS + 0.5
+        session.clock = lambda: later
+        while session.recent:  # the socket's watchdog expires it (about once a second)
+            assert loop.time() < deadline, "an idle socket kept an ended request"
+            await asyncio.sleep(0.01)
+        await ws.close()
+        await wait_free(s)
+        ws, c = await open_client(s)
+        async with ws:
+            await c.send({"type": "resume", "id": "t", "after_seq": 0, "session_id": sid})
+            err = await c.recv()
+            assert err["type"] == "error" and err["id"] == "t", err
+            assert "expired" in err["message"]
+
+
+def test_a_msgpack_socket_codec_holds_kilobytes_and_still_packs_big_frames() -> None:
+    """Each socket owns an encoder; msgpack's default Packer buffer (256 KiB) held a
+    quarter of a megabyte per msgpack socket, found as heap growth under a soak."""
+    import tracemalloc
+
+    from service.protocol import SUBPROTOCOL_MSGPACK, Codec
+
+    tracemalloc.start()
+    try:
+        codecs = [Codec(SUBPROTOCOL_MSGPACK) for _ in range(100)]
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, held  # under 10 KiB a socket (was 25 MiB for these 100)
+    frame = {"type": "delta", "id": "r", "text": "ü" * 300_000, "token_ids": list(range(5000))}
+    for c in codecs[:2]:
+        assert msgpack.unpackb(c.encode(frame)) == frame
+        assert c.decode(c.encode({"type": "ping"})) == {"type": "ping"}
