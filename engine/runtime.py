@@ -92,7 +92,10 @@ class HeapTrimmer:
     (6.1% over its warm-up baseline) while the memory in use stayed flat and the heap's
     free pages rose by as much (tidewire_malloc_bytes). Every `every` seconds, when more
     than `min_free` bytes are free, the engine thread trims between steps: the pages
-    freed since come back on first touch, and the high-water steps go away."""
+    freed since come back on first touch, and the high-water steps go away. (`free`
+    counts free chunks whether or not their pages went back, so under steady load this
+    trims every time. On a 250 MB heap with half of it free, a trim took 10 ms the first
+    time and 0.5 ms once nothing new was free: the cost follows what it hands back.)"""
 
     def __init__(self, every: float = 15.0, min_free: int = 16 << 20,
                  clock: Callable[[], float] = time.monotonic) -> None:
