@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from cache_store import KVTier
+from cache_store.codec import HEADER_SIZE
 from engine.block_manager import KVCacheManager
 from engine.config import TierConfig
 from engine.kv_io import BlockFormat, LoadJob, OffloadStats, TierWorker, WriteJob, tier_key
@@ -98,9 +99,9 @@ class KVOffload:
         # Loads land here before going into the cache: allocated and touched once, since
         # faulting in tens of fresh MB per load cost more than the copies themselves.
         block_bytes = math.prod(self.shape) * self.dtype.itemsize
-        cap = tier.capacity_bytes
+        cap = tier.capacity_bytes  # a stored value: the block's bytes behind a header
         self.known_limit = _KNOWN_LIMIT if cap is None else \
-            max(1, min(_KNOWN_LIMIT, cap // block_bytes))
+            max(1, min(_KNOWN_LIMIT, cap // (HEADER_SIZE + block_bytes)))
         n = max(1, min(kv.pool.num_blocks, _STAGING_BYTES // block_bytes))
         self._staging = torch.zeros((n, *self.shape), dtype=self.dtype)
         self._staging_bytes = self._staging.view(torch.uint8).reshape(n, -1).numpy()
