@@ -15,7 +15,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine import LLM, EngineConfig, SamplingParams
 from service.config import Limits, ServiceConfig
-from tests.servers import http_get, run_server, scrape_metrics
+from tests.servers import apoll, http_get, run_server, scrape_metrics
 
 JSON, MSGPACK = "tidewire.v1.json", "tidewire.v1.msgpack"
 QUESTIONS = ["What is the capital of France?", "Name a color.", "Count to five.",
@@ -62,6 +62,12 @@ async def open_client(server, proto: str = JSON, **kw) -> tuple[object, Client]:
     assert ready["type"] == "ready" and ready["protocol"] == proto
     assert ready["model"] == "smollm2-135m" and ws.subprotocol == proto
     return ws, c
+
+
+def resumable(tiny_models) -> ServiceConfig:  # noqa: ANN001 - the fixture
+    """A tiny model's server whose dropped sockets' requests stay resumable for 30 s."""
+    return ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
+                         limits=Limits(resume_grace=30))
 
 
 async def wait_free(server, timeout: float = 10.0) -> None:
@@ -700,9 +706,7 @@ async def test_a_resume_ahead_of_the_old_sockets_close_waits_for_it(tiny_models,
     up with invalid_request when the old socket stays open."""
     import service.session
 
-    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
-                           limits=Limits(resume_grace=30))
-    with run_server(config) as s:
+    with run_server(resumable(tiny_models)) as s:
         old, c_old = await open_client(s)
         sid = c_old.ready["session_id"]
         await c_old.send({"type": "generate", "id": "a", "prompt_token_ids": [5, 6, 7],
@@ -745,9 +749,7 @@ async def test_a_done_written_just_before_a_drop_can_be_resumed(tiny_models) -> 
     """A done frame written to the transport may die with the connection: for a while
     after it, the request stays resumable from a socket that drops, and a resume replays
     all of it and its done."""
-    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
-                           limits=Limits(resume_grace=30))
-    with run_server(config) as s:
+    with run_server(resumable(tiny_models)) as s:
         ws, c = await open_client(s)
         sid = c.ready["session_id"]
         await c.send({"type": "generate", "id": "s", "prompt_token_ids": [5, 6, 7],
@@ -776,25 +778,18 @@ async def test_ended_requests_leave_an_idle_socket_after_the_resume_window(tiny_
     (before, each socket kept its last 64 ended requests' outputs for its lifetime)."""
     from service.session import RECENT_DONE_SECONDS
 
-    config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"),
-                           limits=Limits(resume_grace=30))
-    with run_server(config) as s:
+    with run_server(resumable(tiny_models)) as s:
         ws, c = await open_client(s)
         sid = c.ready["session_id"]
         await c.send({"type": "generate", "id": "t", "prompt_token_ids": [5, 6, 7],
                       "params": {"max_tokens": 3, "ignore_eos": True}})
         await c.until_done({"t"})
         session = next(x for x in s.gateway.sessions if x.session_id == sid)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while "t" not in session.recent:
-            assert loop.time() < deadline, "its done was never recorded as written"
-            await asyncio.sleep(0.01)
+        await apoll(lambda: "t" in session.recent, 30, "its done recorded as written")
         later = session.recent["t"][1] + RECENT_DONE_SECONDS + 0.5
         session.clock = lambda: later
-        while session.recent:  # the socket's watchdog expires it (about once a second)
-            assert loop.time() < deadline, "an idle socket kept an ended request"
-            await asyncio.sleep(0.01)
+        # the socket's watchdog expires it (about once a second)
+        await apoll(lambda: not session.recent, 10, "an idle socket forgetting its ended request")
         await ws.close()
         await wait_free(s)
         ws, c = await open_client(s)
