@@ -42,9 +42,10 @@ from engine.request import Request
 from engine.runner import ModelRunner
 
 LAYOUT = "layers,2,block_size,kv_heads,head_dim;v1"  # canonical block layout of the payload
-# hashes remembered as already in the tier (write dedupe), at most: ~190 B each (a 32-byte
-# hash and its ordered-dict entry), so ~50 MB when full. A tier of known size caps it
-# lower: past the number of blocks the tier holds, the oldest entries are surely stale.
+# hashes remembered as already in the tier (write dedupe), at most: ~170 B each
+# (tracemalloc: a 65 B hash object and a 107 B ordered-dict entry), so ~45 MB when full.
+# A tier of known size caps it lower: past the number of blocks the tier holds, the
+# oldest entries are surely stale.
 _KNOWN_LIMIT = 1 << 18
 _STAGING_BYTES = 64 << 20
 _LOOKUP_WAIT_PER_STEP = 0.002
