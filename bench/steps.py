@@ -61,13 +61,18 @@ def linears_alone_ms(llm: Any, batch: int, rounds: int = 5) -> float:
     model = llm.engine.runner.model
     mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     mats.append(model.lm_head)
-    xs = {n: torch.randn(batch, n).to(model.dtype) for n in {m.in_features for m in mats}}
+    dev = model.lm_head.weight.device
+    xs = {n: torch.randn(batch, n, device=dev).to(model.dtype)
+          for n in {m.in_features for m in mats}}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     times = []
     with torch.inference_mode():
         for _ in range(rounds + 1):
+            sync()
             t = time.perf_counter()
             for m in mats:
                 m(xs[m.in_features])
+            sync()
             times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times[1:])
 
@@ -114,6 +119,7 @@ def step_breakdown(llm: Any, batch: int, ctx: int, rounds: int = 5) -> dict[str,
         self_ms[e.key] = e.self_cpu_time_total / 1000.0 / profiled_steps
     compiled = "tidewire::decode_step" in self_ms
     out: dict[str, Any] = {"batch": batch, "context": ctx, "running": running,
+                           "device": runner.device.type,
                            "step_ms": 1000 * statistics.median(steps),
                            "compiled_step": compiled, "scheduler_ms": ms["scheduler"],
                            "sampler_ms": ms["sampler"], "model_ms": ms["model"]}
@@ -144,8 +150,11 @@ def format_breakdown(b: dict[str, Any]) -> str:
     if not b["compiled_step"]:
         parts.append(("other", b["other_ms"]))
     body = ", ".join(f"{k} {v:.1f} ({100 * v / b['step_ms']:.0f}%)" for k, v in parts)
-    return (head + body + f"; linears alone {b['linears_alone_ms']:.1f} ms, step/linears "
+    tail = (f"; linears alone {b['linears_alone_ms']:.1f} ms, step/linears "
             f"{b['step_over_linears']:.2f}x")
+    if b.get("device", "cpu") != "cpu":  # the profiler sees the host side only
+        tail += " (GPU: the op split counts host time, the sampler's share includes the wait)"
+    return head + body + tail
 
 
 def batch_sweep(run_tidewire: Callable[[int], float], run_hf: Callable[[int], float] | None,

@@ -7,6 +7,7 @@ refused with a clear error."""
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import pytest
@@ -77,6 +78,9 @@ def hf_greedy_q8(path, prompts: list[list[int]], max_new_tokens: int,
     AttentionInterface.register("tidewire_q8_test", attention)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                  attn_implementation="tidewire_q8_test").eval()
+    # newer transformers 5.x name generate's cache `cache`, older ones `past_key_values`
+    cache_kw = ("cache" if "cache" in inspect.signature(model.forward).parameters
+                else "past_key_values")
     outs = []
     for p in prompts:
         key = (str(path), tuple(p), max_new_tokens, int8_queries)
@@ -84,7 +88,7 @@ def hf_greedy_q8(path, prompts: list[list[int]], max_new_tokens: int,
             ids = torch.tensor([p])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=max_new_tokens, pad_token_id=0,
-                                 eos_token_id=None, cache=Q8Cache())
+                                 eos_token_id=None, **{cache_kw: Q8Cache()})
             _HF_Q8[key] = out[0, len(p):].tolist()
         outs.append(_HF_Q8[key])
     return outs
