@@ -40,8 +40,9 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 	@$(Q) "npm: the JS SDK's dev dependencies" sh -c "cd clients/js && npm ci --no-audit --no-fund"
 	@touch $@
 
+# the soak runs 180 s beside the other tests at idle priority (tests/soak.py)
 test: install
-	$(VPY) -m pytest -rs --durations=15
+	TIDEWIRE_SOAK_BACKGROUND=180 $(VPY) -m pytest -rs --durations=15
 
 # the fuzzers at full length: 10,000 socket frames (hypothesis, stateful), and 300
 # schemathesis examples per HTTP operation and mode (make test runs short forms)
@@ -65,7 +66,8 @@ chaos: install
 scale-out: install
 	TIDEWIRE_SCALE_OUT_FULL=1 $(VPY) -m pytest -rs -s tests/test_scale_out.py
 
-# the soak: every socket role against a real server for 30 minutes (make test: 60 s)
+# the soak: every socket role against a real server for 30 minutes (make test: 180 s,
+# beside the other tests)
 soak: install
 	TIDEWIRE_SOAK_SECONDS=1800 $(VPY) -m pytest -rs -s tests/test_bench_load.py
 

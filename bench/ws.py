@@ -20,13 +20,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.offline import add_sampling_args, run_tidewire, sampling_args
 from bench.workloads import BenchRequest, chat64
+
+# bench.offline (torch, the engine) is imported where it is used: the load-generator
+# processes (here and in bench.load) import this module, and torch would add ~200 MB to each
 
 DELIVERY = "tidewire_delta_delivery_seconds"  # the server's sampled-to-written histogram
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from bench.offline import add_sampling_args
+
     p.add_argument("--model", default="smollm2-135m",
                    help="registry name, HF model directory or .gguf file (see `tidewire models`)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -255,6 +259,7 @@ def _delivery_ms(metrics_text: str, since: str) -> dict[str, float]:
 def main(a: argparse.Namespace) -> int:
     import torch
 
+    from bench.offline import run_tidewire, sampling_args
     from engine import LLM
 
     a.attention_backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -140,6 +140,30 @@ def smollm2_dir() -> Path:
     return resolve_model("smollm2-135m")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked `last` run after all the others (the background soak's check)."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)  # stable
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """With TIDEWIRE_SOAK_BACKGROUND=S (`make test`: 180): an S-second soak started with
+    the first test, beside the rest of the suite at idle priority (tests/soak.py);
+    tests/test_bench_load.py checks it at the end. None otherwise."""
+    seconds = os.environ.get("TIDEWIRE_SOAK_BACKGROUND")
+    if not seconds:
+        yield None
+        return
+    from tests.soak import BackgroundSoak
+
+    s = BackgroundSoak(request.getfixturevalue("tiny_chat_model"), float(seconds),
+                       tmp_path_factory.mktemp("background-soak"))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
 @pytest.fixture()
 def redis_server():
     """A fresh real redis-server on a free port, stopped afterwards."""
