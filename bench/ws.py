@@ -69,10 +69,37 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server started next. Drawn below the
+    kernel's ephemeral range (`ip_local_port_range`), not by binding port 0: a port from
+    that range is also one any outgoing connection can take as its local port before the
+    server meant to have it binds, and a load generator opening dozens of connections a
+    second beside a starting server (the test suite's background soak) made that a real
+    race. Never the same port twice in one process."""
+    import random
     import socket
 
-    with socket.socket() as s:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            top = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32768
+    rng = random.SystemRandom()
+    for _ in range(500):
+        port = rng.randrange(max(1024, top - 12000), top)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # that range is full: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -94,7 +121,8 @@ def _start_server(a: argparse.Namespace, port: int) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     for _ in range(1200):
         try:
-            if json.loads(_get(f"http://127.0.0.1:{port}/ready"))["ready"]:
+            # (and still running: not another server that got the port first)
+            if json.loads(_get(f"http://127.0.0.1:{port}/ready"))["ready"] and proc.poll() is None:
                 return proc
         except OSError:
             if proc.poll() is not None:

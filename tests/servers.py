@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import urllib.request
 
 import uvicorn
 
+from bench.ws import free_port
 from service.config import ServiceConfig
 from service.server import build_server
 
@@ -38,10 +38,6 @@ def scrape_metrics(url: str) -> dict[str, float]:
             for s in fam.samples}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -142,3 +142,19 @@ def test_bench_accuracy_forces_the_text_through_the_decode_path(tiny_chat_model,
     assert fp32["top1_agreement"] == 1.0 and fp32["mean_kl"] < 1e-6
     assert fp32["perplexity"] == pytest.approx(res["fp32_perplexity"], rel=1e-4)
     assert 0 < q8["mean_kl"] < 0.05 and q8["top1_agreement"] >= 0.8
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_never_repeat() -> None:
+    """Servers in the tests and benchmarks listen on these: an outgoing connection (a
+    local port from the ephemeral range) can never be holding one when its server binds."""
+    import socket
+
+    from bench.ws import free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= p < low for p in ports), (min(ports), max(ports), low)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[-1]))  # free when handed out
