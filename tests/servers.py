@@ -38,8 +38,6 @@ def scrape_metrics(url: str) -> dict[str, float]:
             for s in fam.samples}
 
 
-
-
 @dataclass
 class RunningServer:
     url: str
