@@ -28,6 +28,7 @@ from engine.runtime import HeapTrimmer
 from engine.outputs import CompletionOutput, RequestOutput, StepOutput
 from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
+from engine.runner import request_fault
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarError
 from engine.stats import EngineStats
@@ -476,19 +477,27 @@ class AsyncEngine:
                 self._adds_taken += 1
                 try:
                     outs.extend(self.engine.add(cmd.request))
-                except ValueError as e:  # e.g. an id still in flight: fail it, keep running
+                except ValueError as e:  # an id still in flight: fail it, keep running
                     r = cmd.request
                     outs.extend(StepOutput(request_id=r.request_id, new_token_ids=[],
                                            finished=True, finish_reason="error", index=i,
                                            error=str(e)) for i in range(r.params.n))
-            elif cmd.op == "abort":
-                outs.extend(self.engine.abort([cmd.request_id]))
-            elif cmd.op == "park":
-                self.engine.park([cmd.request_id])
-            else:
-                self.engine.unpark([cmd.request_id])
+                continue
+            try:
+                outs.extend(self._control(cmd))
+            except Exception as e:  # noqa: BLE001 - one request's fault: it fails alone
+                outs.extend(self.engine.fail(cmd.request_id, request_fault(cmd.op, e)))
         # (no stats here: requests just taken are not waiting until a schedule says so)
         return True
+
+    def _control(self, cmd: _Control) -> list[StepOutput]:
+        if cmd.op == "abort":
+            return self.engine.abort([cmd.request_id])
+        if cmd.op == "park":
+            self.engine.park([cmd.request_id])
+        else:
+            self.engine.unpark([cmd.request_id])
+        return []
 
     def _hand_off(self, outs: list[StepOutput]) -> None:
         """Publish, then give the loop the time to send them (see `handoff`). The stats

@@ -28,7 +28,7 @@ from engine.model import ModelArch
 from engine.outputs import StepOutput
 from engine.progress import LoadProgress
 from engine.request import Request, RequestStatus
-from engine.runner import ModelRunner, prefault_default
+from engine.runner import ModelRunner, request_fault, prefault_default
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec_decode import Speculator, make_speculator
@@ -37,6 +37,10 @@ from engine.stats import EngineStats, OffloadCounters, TierCounters
 from kernels import cpu_ops
 
 log = logging.getLogger("tidewire.engine")
+
+# model steps that may raise in a row before the engine gives up (a broken model, not one
+# bad batch): each failed step fails only the requests in its batch
+MAX_STEP_FAULTS = 3
 
 def fast_dtype(attention_backend: str) -> str:
     """What `dtype="auto"` means here: bfloat16 on a GPU, and on a CPU with native bf16
@@ -131,6 +135,8 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
         self._compiling: list[Request] = []  # added, waiting for their constraint's compile
         self.num_steps = 0
+        self.step_faults = 0  # model steps that raised in a row (see _failed_step)
+        self._late: list[StepOutput] = []  # ends that missed their step's publication
         self._children: dict[str, list[str]] = {}  # caller's id -> unfinished sample ids
         self._siblings: dict[str, list[Request]] = {}  # first sample id -> samples to start
         self._detoks: dict[str, IncrementalDetokenizer | None] = {}
@@ -299,6 +305,14 @@ class LLMEngine:
         rid = req.request_id
         if rid in self._children:
             raise ValueError(f"duplicate request id {rid!r}")
+        try:
+            return self._add(req)
+        except Exception as e:  # noqa: BLE001 - this request only: undone, and failed
+            why = str(e) if isinstance(e, ValueError) else request_fault("adding", e)
+            return self.fail(rid, why, also=[req], samples=req.params.n)
+
+    def _add(self, req: Request) -> list[StepOutput]:
+        rid = req.request_id
         n = req.params.n
         kids = [req] if n == 1 else [self._child(req, i) for i in range(n)]
         self._children[rid] = [k.request_id for k in kids]
@@ -361,7 +375,10 @@ class LLMEngine:
             if not req.grammar.done():
                 still.append(req)
             elif req.grammar.exception() is None:
-                outs += self._schedule(req)
+                try:
+                    outs += self._schedule(req)
+                except Exception as e:  # noqa: BLE001 - this request's matcher only
+                    outs += self.fail(req.parent_id, request_fault("starting", e), also=[req])
             else:
                 log.warning("request %s: %s", req.parent_id, req.grammar.exception())
                 outs += self.abort([req.parent_id], RequestStatus.FINISHED_ERROR)
@@ -405,7 +422,67 @@ class LLMEngine:
                 self._compiling = [r for r in self._compiling if r.parent_id != rid]
             for r in self.scheduler.finish_requests(kids, status) + compiling + waiting:
                 r.status = status
-                outs.append(self._emit(r, [], None))
+                try:
+                    outs.append(self._emit(r, [], None))
+                except Exception as e:  # noqa: BLE001 - its detokenizer's last flush raised
+                    self._detoks[r.request_id] = None
+                    out = self._emit(r, [], None)
+                    out.finish_reason, out.error = "error", request_fault("ending", e)
+                    outs.append(out)
+        return outs
+
+    def fail(self, request_id: str, error: str, also: Sequence[Request] = (),
+             samples: int = 0) -> list[StepOutput]:
+        """Fail one request (the caller's id, every sample of it) after a fault in its own
+        work: it ends with finish_reason "error" and `error`, its blocks are freed before
+        the next step, and nothing else changes. `also`: samples of it that may be held
+        nowhere else (the one whose work raised); `samples`: the number of samples it has,
+        when it may not have been registered yet. Returns one finished output per sample
+        that had not finished."""
+        for k in [*self._children.get(request_id, ()), *(r.request_id for r in also)]:
+            if k in self._detoks:  # its text ends here: nothing more to decode (nor to fail)
+                self._detoks[k] = None
+        outs = self.abort([request_id], RequestStatus.FINISHED_ERROR)
+        ended = {o.index for o in outs}
+        for r in also:
+            if r.index in ended or (r.status.finished and r.request_id not in self._detoks):
+                continue  # its end went out already
+            self.scheduler.finish_requests([r.request_id], RequestStatus.FINISHED_ERROR)
+            r.status = RequestStatus.FINISHED_ERROR
+            self._finished(r)
+            outs.append(self._ended(r.parent_id or request_id, r.index))
+            ended.add(r.index)
+        outs += [self._ended(request_id, i) for i in range(samples) if i not in ended]
+        self._children.pop(request_id, None)
+        for o in outs:
+            o.error = error
+        return outs
+
+    @staticmethod
+    def _ended(request_id: str, index: int) -> StepOutput:
+        return StepOutput(request_id=request_id, new_token_ids=[], finished=True,
+                          finish_reason="error", index=index)
+
+    def _failed_step(self, sched: SchedulerOutput, e: Exception) -> list[StepOutput]:
+        """The shared forward raised: every request in this batch fails (the others and
+        new ones go on). Past MAX_STEP_FAULTS in a row the model itself is broken, and
+        the error goes up (the engine thread reports itself dead)."""
+        self.step_faults += 1
+        log.error("the model step failed (%d in a row): %r", self.step_faults, e, exc_info=e)
+        if self.step_faults >= MAX_STEP_FAULTS:
+            raise e
+        why = (f"internal error in the model step ({type(e).__name__}); the request was in "
+               "that batch")
+        parents = dict.fromkeys(s.request.parent_id for s in sched.scheduled)
+        return [o for rid in parents for o in self.fail(rid, why)]
+
+    def _fail_sampled(self, sched: SchedulerOutput, failed: dict[str, str]) -> list[StepOutput]:
+        """Samples whose sampling raised (runner: Sampled.failed) fail alone."""
+        outs = []
+        for s in sched.scheduled:
+            r = s.request
+            if r.request_id in failed and not r.status.finished:
+                outs += self.fail(r.parent_id, failed[r.request_id], also=[r])
         return outs
 
     def park(self, request_ids: list[str]) -> int:
@@ -442,7 +519,7 @@ class LLMEngine:
         return list(self._children)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self._compiling) or bool(self._late)
 
     # -- the step ----------------------------------------------------------------------
 
@@ -455,13 +532,20 @@ class LLMEngine:
         given, is called once the step's forward is under way (ModelRunner.execute);
         not for a step that ran nothing."""
         failed = self._compiled() if self._compiling else []  # outputs of failed compiles
+        if self._late:  # requests that failed after the last step's outputs went out
+            failed, self._late = self._late + failed, []
         offload = self.offload
         if offload is not None:
             offload.new_step()
         if self.speculator is not None and self.scheduler.running:
             cpu_step = self.runner.cpu_step
-            self.speculator.propose(self.scheduler.running, self.num_steps,
-                                    cpu_step.max_rows if cpu_step is not None else None)
+            try:
+                self.speculator.propose(self.scheduler.running, self.num_steps,
+                                        cpu_step.max_rows if cpu_step is not None else None)
+            except Exception:  # noqa: BLE001 - proposals are optional: this step goes without
+                log.exception("speculative proposals failed; the step runs without them")
+                for r in self.scheduler.running:
+                    r.spec_token_ids, r.spec_probs = [], None
         sched = self.scheduler.schedule()
         if offload is not None:
             offload.capture()  # blocks evicted by this schedule, before the model reuses them
@@ -478,20 +562,34 @@ class LLMEngine:
             if failed and publish is not None:
                 publish(failed)
             return failed
-        sampled = self.runner.execute(sched, launched)  # (calls launched: ships)
+        try:
+            sampled = self.runner.execute(sched, launched)  # (calls launched: ships)
+        except Exception as e:  # noqa: BLE001 - the shared forward: fails this batch only
+            outs = failed + self._failed_step(sched, e)
+            if publish is not None:
+                publish(outs)
+            return outs
+        self.step_faults = 0
         now = time.monotonic()
         touched = self.scheduler.advance(sched, sampled.tokens, sampled.verified)
         self.num_steps += 1
         if sampled.verified is not None:
             self._record_spec(sched)
+        if sampled.failed:
+            failed += self._fail_sampled(sched, sampled.failed)
         for r in touched:
             if r.matcher is not None:
-                self._advance_matcher(r)
+                try:
+                    self._advance_matcher(r)
+                except Exception as e:  # noqa: BLE001 - this request's constraint only
+                    failed += self.fail(r.parent_id, request_fault("advancing the constraint of", e))
         lps = sampled.logprobs or {}
         verified = sampled.verified or {}
         vlps = sampled.verified_logprobs or {}
         outs = failed
         for r in touched:
+            if r.status is RequestStatus.FINISHED_ERROR and r.request_id not in self._detoks:
+                continue  # failed above: its output is in `failed`
             rid, n = r.request_id, r.num_new_tokens_last  # n > 1: accepted proposals
             if rid in verified:
                 lpl = vlps.get(rid)
@@ -499,7 +597,10 @@ class LLMEngine:
             else:
                 lp = lps.get(rid)
                 lpl = None if lp is None else [lp]
-            outs.append(self._emit(r, r.output_token_ids[-n:], lpl, now))
+            try:
+                outs.append(self._emit(r, r.output_token_ids[-n:], lpl, now))
+            except Exception as e:  # noqa: BLE001 - detokenizing or stop-checking it
+                outs += self.fail(r.parent_id, request_fault("detokenizing", e), also=[r])
         if publish is not None:
             publish(outs)
         self.scheduler.commit(sched)
@@ -510,7 +611,11 @@ class LLMEngine:
                 siblings = self._siblings.pop(r.request_id, None)
                 if siblings:  # the prompt is computed and cached: the other samples may start
                     for sib in siblings:
-                        self._schedule(sib)
+                        try:
+                            self._schedule(sib)
+                        except Exception as e:  # noqa: BLE001 - this request only
+                            self._late += self.fail(sib.parent_id, request_fault("starting", e),
+                                                    also=[sib])
         if self.config.debug:
             self.kv.check_integrity()
         return outs

@@ -3,6 +3,8 @@ samples the rows that reached the end of their known tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import mmap
 import os
@@ -23,6 +25,14 @@ from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode import SpecRows, verify
 from engine.structured import apply_masks
 
+log = logging.getLogger("tidewire.engine")
+
+
+def request_fault(phase: str, e: BaseException) -> str:
+    """What a client is told of a fault in its own request (the traceback is logged)."""
+    log.error("a request failed while %s it: %r", phase, e, exc_info=e)
+    return f"internal error while {phase} this request ({type(e).__name__}); see the server log"
+
 
 @dataclass(slots=True)
 class Sampled:
@@ -35,6 +45,9 @@ class Sampled:
     # requests that verified proposals: the tokens each keeps, and their logprobs
     verified: dict[str, list[int]] | None = None
     verified_logprobs: dict[str, list[TokenLogprob]] | None = None
+    # requests whose own sampling raised (a fault in one request's parameters or
+    # constraint): they got no token, and the engine fails them alone
+    failed: dict[str, str] | None = None
 
 
 @dataclass(slots=True)
@@ -153,15 +166,29 @@ class ModelRunner:
         if launched is not None:
             launched()
         inputs = self.prepare(decodes, prefills)
+        logits = self._logits(inputs)
+        try:
+            return self._sample_step(logits, inputs)
+        except Exception:  # noqa: BLE001 - one request's sampling must not fail the batch
+            log.exception("sampling the batch failed; sampling each request alone")
+        # The batched sampler works on the logits in place, so the forward runs again
+        # (its cache writes are the same values at the same slots) and each request
+        # samples alone: the one whose sampling raises fails, the others go on.
+        return self._sample_alone(self._logits(inputs), inputs)
+
+    def _logits(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward: the logits of the rows that sample, then the verifying rows."""
         if self.cpu_step is not None and self.cpu_step.fits(len(inputs.positions)):
             # decodes, and up to 8 query tokens in all (a decode verifying proposals)
             logits = self.cpu_step.run(inputs.input_ids, inputs.positions,
                                        inputs.meta)  # type: ignore[arg-type]  # the cpu backend's
             if len(inputs.logits_rows) < len(inputs.positions):
                 logits = logits[inputs.logits_rows]
-        else:
-            logits = self._forward(inputs.input_ids, inputs.positions, inputs.meta,
-                                   inputs.logits_rows)
+            return logits
+        return self._forward(inputs.input_ids, inputs.positions, inputs.meta,
+                             inputs.logits_rows)
+
+    def _sample_step(self, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
         if not inputs.spec:
             return self._sample(logits, inputs.sample_ids, inputs.sampling)
         n = len(inputs.sample_ids)
@@ -169,6 +196,36 @@ class ModelRunner:
         v = verify(self.sampler, logits[n:], inputs.spec)
         sampled.verified, sampled.verified_logprobs = v.tokens, v.logprobs or None
         return sampled
+
+    def _sample_alone(self, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
+        """Each sampling row on its own, then the verifying requests one by one; a
+        request whose sampling raises is reported in `failed` (and gets no token)."""
+        out = Sampled({}, {}, {}, {}, {})
+        n = len(inputs.sample_ids)
+        for i, rid in enumerate(inputs.sample_ids):
+            one = inputs.sampling.row(i)
+            try:
+                s = self._sample(logits[i : i + 1], [rid], one)
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                out.failed[rid] = request_fault("sampling", e)  # type: ignore[index]
+                continue
+            out.tokens.update(s.tokens)
+            out.logprobs.update(s.logprobs or {})  # type: ignore[union-attr]
+        for g in inputs.spec:
+            rows = logits[n + g.start : n + g.start + len(g.proposals) + 1]
+            rid = g.request.request_id
+            try:
+                v = verify(self.sampler, rows, [dataclasses.replace(g, start=0)])
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                out.failed[rid] = request_fault("verifying proposals for", e)  # type: ignore[index]
+                continue
+            out.verified[rid] = v.tokens[rid]  # type: ignore[index]
+            if v.logprobs and rid in v.logprobs:
+                out.verified_logprobs[rid] = v.logprobs[rid]  # type: ignore[index]
+        out.logprobs = out.logprobs or None
+        out.verified = out.verified or None
+        out.verified_logprobs = out.verified_logprobs or None
+        return out
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], sampling: SamplingBatch,
                 launched: Callable[[], None] | None = None) -> Sampled:

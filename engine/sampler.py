@@ -36,6 +36,12 @@ class SamplingBatch:
     # per row: the constraint's matcher (response_format), or None; [] when no row has one
     matchers: list[Matcher | None] = field(default_factory=list)
 
+    def row(self, i: int) -> SamplingBatch:
+        """Row i alone, as a batch of one."""
+        return SamplingBatch([self.params[i]], [self.generators[i]], [self.prompt_ids[i]],
+                             [self.output_ids[i]], [self.eos_ids[i]],
+                             [self.matchers[i]] if self.matchers else [])
+
     @property
     def all_greedy(self) -> bool:
         return all(p.greedy for p in self.params)
