@@ -31,6 +31,9 @@ RUN python -c "from engine.loader import resolve_model; print(resolve_model('smo
     && python -m kernels.cpu_ops
 
 EXPOSE 8000
-HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
-    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2).status != 200)"
+# liveness, not readiness: /health is 503 once the engine died (the server then exits by
+# itself, for the restart policy to start it again); a draining replica stays healthy
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s --retries=3 \
+    CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"
+# exec form: tidewire is PID 1, so SIGTERM reaches it and its exit status is the container's
 CMD ["tidewire", "serve"]

@@ -244,16 +244,22 @@ class AsyncEngine:
         st = self._stats
         return st.waiting + self._adds_sent - st.adds_taken
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], any_thread: bool = False) -> list[int]:
         """The prompt's ids, as /v1/completions feeds them to the model (no special
         tokens added; ids are checked). The tokenizer is read-only after load: safe
-        from the loop."""
-        return self.engine.tokenize(prompt)
+        from the loop; `any_thread` also from another thread (LLMEngine.tokenize)."""
+        return self.engine.tokenize(prompt, any_thread)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        return self.engine.apply_chat_template(messages, generation_prompt, tools)
+                            tools: list[dict[str, Any]] | None = None,
+                            any_thread: bool = False) -> list[int]:
+        return self.engine.apply_chat_template(messages, generation_prompt, tools, any_thread)
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """The most UTF-8 bytes a prompt that fits the context can have (None: unknown)."""
+        return self.engine.max_prompt_bytes
 
     def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
         """The detokenizer's per-token bytes (built once, on first use)."""

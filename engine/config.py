@@ -4,6 +4,8 @@ Torch-free: the command line builds an EngineConfig before anything loads torch.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -65,12 +67,32 @@ class TierConfig:
     load_timeout: float = 2.0  # a LOADING request recomputes after this long
     io_timeout: float = 1.0  # per Redis round trip
     max_pending_writes: int = 4096  # blocks waiting to be written; more are dropped
+    # Shared by the replicas on one Redis ("": none). Keys the block values' MAC (a
+    # value forged or moved by whoever can write Redis is a miss) and the tenant salts
+    # (so block keys in Redis reveal nothing about the prompts). Never shown in a repr.
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("none", "memory", "redis"):
             raise ValueError(f"kv tier must be none, memory or redis, got {self.kind!r}")
         if self.kind == "redis" and not self.redis_url:
             raise ValueError("kv tier 'redis' needs a redis_url (redis://host:port/db)")
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """The key of the block values' HMAC (cache_store.codec); None without a secret."""
+        return _subkey(self.secret, b"tidewire.kv.mac") if self.secret else None
+
+    @property
+    def salt_key(self) -> bytes | None:
+        """The key the tenant salts are derived with (service.gateway.Principal); None
+        without a secret."""
+        return _subkey(self.secret, b"tidewire.tenant") if self.secret else None
+
+
+def _subkey(secret: str, purpose: bytes) -> bytes:
+    """A key for one purpose, so that no two uses of the secret share a key."""
+    return hmac.new(secret.encode("utf-8", "surrogateescape"), purpose, hashlib.sha256).digest()
 
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
@@ -190,6 +212,7 @@ _NESTED: dict[str, tuple[str, str]] = {
     "kv_tier_load_timeout": ("tier", "load_timeout"),
     "kv_tier_io_timeout": ("tier", "io_timeout"),
     "kv_tier_max_pending_writes": ("tier", "max_pending_writes"),
+    "kv_tier_secret": ("tier", "secret"),
     "speculative": ("speculative", "method"),  # the section's own name: its method
     "num_speculative_tokens": ("speculative", "num_tokens"),
     "draft_model": ("speculative", "draft_model"),

@@ -8,6 +8,7 @@ stop string is held back until the next tokens decide it.
 from __future__ import annotations
 
 import codecs
+import functools
 import random
 from typing import Any
 
@@ -66,6 +67,24 @@ def byte_level_table(tokenizer: Any, skip_special_tokens: bool = True) -> list[b
     return table
 
 
+@functools.lru_cache(maxsize=256)
+def failure_tables(stops: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each stop string's KMP failure table: entry i is the length of the longest proper
+    prefix of s[: i + 1] that is also a suffix of it (cached: requests repeat stops)."""
+    tables = []
+    for s in stops:
+        t = [0] * len(s)
+        m = 0
+        for i in range(1, len(s)):
+            while m and s[i] != s[m]:
+                m = t[m - 1]
+            if s[i] == s[m]:
+                m += 1
+            t[i] = m
+        tables.append(tuple(t))
+    return tuple(tables)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
                  skip_special_tokens: bool = True, stop: tuple[str, ...] = (),
@@ -91,7 +110,11 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0  # characters of self.text already handed out
         self._keep = max((len(s) for s in stop), default=1) - 1
-        self._prefixes = frozenset(s[:i] for s in stop for i in range(1, len(s)))  # proper ones
+        # per stop string: its KMP failure table, and how much of it the text's tail
+        # matches now (memory and time linear in the stop strings' lengths, where a set
+        # of every prefix of every stop string was quadratic)
+        self._tables = failure_tables(stop)
+        self._matched = [0] * len(stop)
         self.stop_hit: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
@@ -129,7 +152,7 @@ class IncrementalDetokenizer:
             return self._take(len(self.text))
         if final:
             return self._take(len(self.text))
-        return self._take(len(self.text) - self._holdback())
+        return self._take(len(self.text) - self._holdback(before))
 
     def _decode_bytes(self, new_ids: list[int], final: bool) -> None:
         """An incomplete UTF-8 sequence at the end stays in the decoder until the bytes
@@ -167,13 +190,27 @@ class IncrementalDetokenizer:
         self.stop_hit = best[1]
         return True
 
-    def _holdback(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text, prefixes = self.text, self._prefixes
-        for n in range(min(len(text) - self.emitted, self._keep), 0, -1):
-            if text[-n:] in prefixes:
-                return n
-        return 0
+    def _holdback(self, before: int) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string
+        (never more than what is not handed out yet). Scans only the characters added
+        since `before`, carrying each stop string's match length from one call to the
+        next."""
+        new = self.text[before:]
+        matched = self._matched
+        for k, (stop, table) in enumerate(zip(self.stop, self._tables)):
+            m = matched[k]
+            for c in new:
+                while m and (m == len(stop) or stop[m] != c):
+                    m = table[m - 1]
+                if stop[m] == c:
+                    m += 1
+            matched[k] = m if m < len(stop) else table[m - 1]
+        limit, hold = len(self.text) - self.emitted, 0
+        for m, table in zip(matched, self._tables):
+            while m > limit:  # a shorter match that starts in the text not handed out
+                m = table[m - 1]
+            hold = max(hold, m)
+        return hold
 
     def _take(self, upto: int) -> str:
         """Hand out the working text up to `upto`; keep only its last `_keep` handed-out

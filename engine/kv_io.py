@@ -38,6 +38,7 @@ class BlockFormat:
     dtype_name: str
     shape: tuple[int, ...]
     itemsize: int
+    mac_key: bytes | None = field(default=None, repr=False)  # TierConfig.mac_key
 
 
 @dataclass(eq=False)
@@ -164,7 +165,7 @@ class TierWorker:
                     break  # gone since the lookup: recompute from here
                 try:
                     payloads.append(decode_block(v, f.fingerprint, h, f.dtype_name, f.shape,
-                                                 f.itemsize))
+                                                 f.itemsize, f.mac_key))
                 except CorruptValue as e:
                     log.warning("corrupt kv block %s (%s): deleted", key, e)
                     self.stats.corrupt += 1
@@ -182,7 +183,7 @@ class TierWorker:
         f = self.fmt
         raw = job.data.wait().view(torch.uint8).reshape(len(job.hashes), -1).numpy()
         items = [(tier_key(f.fingerprint, h),
-                  encode_block(f.fingerprint, h, f.dtype_name, f.shape, raw[i]))
+                  encode_block(f.fingerprint, h, f.dtype_name, f.shape, raw[i], f.mac_key))
                  for i, h in enumerate(job.hashes)]
         self._written(job, self.tier.put_many(items))
 

@@ -26,6 +26,7 @@ it only records (block, hash) pairs, and `capture` takes them.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -34,12 +35,14 @@ import numpy as np
 import torch
 
 from cache_store import KVTier
-from cache_store.codec import HEADER_SIZE
+from cache_store.codec import header_size
 from engine.block_manager import KVCacheManager
 from engine.config import TierConfig
 from engine.kv_io import BlockFormat, LoadJob, OffloadStats, TierWorker, WriteJob, tier_key
 from engine.request import Request
 from engine.runner import ModelRunner
+
+log = logging.getLogger("tidewire.kv_offload")
 
 LAYOUT = "layers,2,block_size,kv_heads,head_dim;v1"  # canonical block layout of the payload
 # hashes remembered as already in the tier (write dedupe), at most: ~170 B each
@@ -49,6 +52,11 @@ LAYOUT = "layers,2,block_size,kv_heads,head_dim;v1"  # canonical block layout of
 _KNOWN_LIMIT = 1 << 18
 _STAGING_BYTES = 64 << 20
 _LOOKUP_WAIT_PER_STEP = 0.002
+UNKEYED_REDIS_WARNING = (
+    "kv tier redis without --kv-tier-secret: the tier trusts whoever can write Redis (a "
+    "forged block would be served as cached KV and could steer outputs), and block keys "
+    "are plain hashes of the prompts (whoever can read Redis can test whether a prompt "
+    "was cached); give every replica the same TIDEWIRE_KV_TIER_SECRET")
 
 
 def kv_fingerprint(model_id: str, weights_checksum: str, kv_dtype: str, block_size: int,
@@ -102,14 +110,16 @@ class KVOffload:
         block_bytes = math.prod(self.shape) * self.dtype.itemsize
         cap = tier.capacity_bytes  # a stored value: the block's bytes behind a header
         self.known_limit = _KNOWN_LIMIT if cap is None else \
-            max(1, min(_KNOWN_LIMIT, cap // (HEADER_SIZE + block_bytes)))
+            max(1, min(_KNOWN_LIMIT, cap // (header_size(config.mac_key) + block_bytes)))
         n = max(1, min(kv.pool.num_blocks, _STAGING_BYTES // block_bytes))
         self._staging = torch.zeros((n, *self.shape), dtype=self.dtype)
         self._staging_bytes = self._staging.view(torch.uint8).reshape(n, -1).numpy()
         if config.write_through:
             kv.new_prompt_blocks = []
         fmt = BlockFormat(fingerprint, str(self.dtype).removeprefix("torch."), self.shape,
-                          self.dtype.itemsize)
+                          self.dtype.itemsize, config.mac_key)
+        if config.kind == "redis" and not config.secret:
+            log.warning(UNKEYED_REDIS_WARNING)
         self.worker = TierWorker(tier, fmt, self.stats, config.max_pending_writes)
 
     # -- TierLoader (engine thread) ---------------------------------------------------------

@@ -100,6 +100,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.arch.max_context,
                                  self.arch.max_context)
         self.eos_token_ids = self._eos_ids()
+        self.max_prompt_bytes = self._max_prompt_bytes()
         self.sampling_defaults = self._sampling_defaults()
         cc = config.cache
         self.num_blocks = cc.num_blocks or self._auto_num_blocks()
@@ -215,6 +216,19 @@ class LLMEngine:
             return {}
         return found
 
+    def _max_prompt_bytes(self) -> int | None:
+        """The most UTF-8 bytes a prompt that fits the context window can have: the
+        window times the longest token's bytes (a longer text needs more tokens than the
+        window holds). None when the tokenizer normalizes its input (a normalizer can
+        shorten text before it is split) or there is none."""
+        tok = self.tokenizer
+        backend = getattr(tok, "backend_tokenizer", None)
+        if backend is None or backend.normalizer is not None:
+            return None
+        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab()),
+                      default=0)
+        return self.max_model_len * max(1, longest) if longest else None
+
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -223,10 +237,16 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
+    def tokenize(self, prompt: str | list[int], any_thread: bool = False) -> list[int]:
+        """A prompt's ids (no special tokens added). `any_thread`: through the Rust
+        tokenizer's own encode, which mutates nothing (transformers' wrapper may set
+        truncation state on each call), so it may run beside the event loop's calls."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send prompt_token_ids")
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if any_thread and backend is not None:
+                return backend.encode(prompt, add_special_tokens=False).ids
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         ids = list(prompt)
         if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in ids):
@@ -240,13 +260,18 @@ class LLMEngine:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+                            tools: list[dict[str, Any]] | None = None,
+                            any_thread: bool = False) -> list[int]:
         """Token ids of a conversation; without the generation prompt it is the prefix
         that the next turn's prompt starts with (what `warm` caches). `tools` (OpenAI's
-        shape) go to a template that renders them."""
+        shape) go to a template that renders them. `any_thread`: as for tokenize()."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template")
         kw = {"tools": tools} if tools else {}
+        if any_thread and getattr(self.tokenizer, "backend_tokenizer", None) is not None:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kw)
+            return self.tokenize(text, any_thread=True)
         out = self.tokenizer.apply_chat_template(messages,
                                                  add_generation_prompt=add_generation_prompt,
                                                  tokenize=True, return_dict=False, **kw)
@@ -271,6 +296,7 @@ class LLMEngine:
             vocab = self.arch.vocab_size
             if not all(isinstance(t, int) and 0 <= t < vocab for t in output_token_ids):
                 raise ValueError(f"token ids must be integers in [0, {vocab})")
+        self._check_token_ids(params)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise PromptTooLongError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -287,6 +313,14 @@ class LLMEngine:
                 raise ValueError("response_format needs a model with a tokenizer")
             req.grammar = self.grammars.submit(params.response_format)  # compiles meanwhile
         return req
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids a request names (logit_bias keys, stop_token_ids) are this model's."""
+        vocab = self.arch.vocab_size
+        bad = [t for t in (*params.logit_bias, *params.stop_token_ids) if t >= vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} (in logit_bias or stop_token_ids) is not in "
+                             f"this model's vocabulary of {vocab}")
 
     def compile_format(self, fmt: ResponseFormat) -> None:
         """Compile a response_format now (cached for the requests that use it); raises

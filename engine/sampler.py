@@ -324,7 +324,7 @@ class Sampler:
         x = apply_temperature(logits, torch.tensor([p.temperature for p in params]))
         vocab = x.shape[-1]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+            ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
             x = apply_top_k_top_p(x, ks, torch.tensor([p.top_p for p in params]))
         if any(p.min_p > 0 for p in params):
             x = apply_min_p(x, torch.tensor([p.min_p for p in params]))

@@ -10,9 +10,20 @@ from typing import Any
 from engine.structured import ResponseFormat
 
 _GREEDY_EPS = 1e-5
+# Bounds on what one request may ask for, so that no value can make the engine allocate
+# without limit or overflow a tensor (the model's own limits, the context window and
+# the vocabulary, are checked where the model is known: LLMEngine.make_request).
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # per stop string
+MAX_TOKENS = 1 << 20  # max_tokens (the context window refuses most values below it)
+MAX_TOP_K = 1 << 20  # a top_k past the vocabulary means all of it
+MAX_TOKEN_ID = (1 << 31) - 1  # logit_bias keys, stop_token_ids
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_STOP_TOKEN_IDS = 1024
+# n x max_tokens x (1 + logprobs): the tokens and alternatives one request may produce
+MAX_REQUEST_WORK = 1 << 21
 
 
 def _number(name: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -73,10 +84,10 @@ class SamplingParams:
     speculative: bool = True
 
     def __post_init__(self) -> None:
-        _integer("max_tokens", self.max_tokens, 1)
+        _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS)
         _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
         _number("temperature", self.temperature, 0.0, 100.0)
-        _integer("top_k", self.top_k, 0)
+        _integer("top_k", self.top_k, 0, MAX_TOP_K)
         _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         _number("min_p", self.min_p, 0.0, 1.0)
         _number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
@@ -95,23 +106,36 @@ class SamplingParams:
         ids = self.stop_token_ids
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise ValueError("stop_token_ids must be a list of integers")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(ids)}")
         for t in ids:
-            _integer("stop_token_ids", t, 0)
+            _integer("stop_token_ids", t, 0, MAX_TOKEN_ID)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        work = self.n * self.max_tokens * (1 + (self.logprobs or 0))
+        if work > MAX_REQUEST_WORK:
+            raise ValueError(f"n x max_tokens x (1 + logprobs) = {work} is over this "
+                             f"server's per-request bound of {MAX_REQUEST_WORK}")
         object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
 
     @staticmethod
     def _bias(bias: Any) -> dict[int, float]:
         if not isinstance(bias, Mapping):
             raise ValueError("logit_bias must map token ids to numbers")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, "
+                             f"got {len(bias)}")
         out = {}
         for k, v in bias.items():
+            if isinstance(k, str) and not (0 < len(k) <= 10):  # (int() of a long string is slow)
+                raise ValueError(f"logit_bias key {k[:16]!r} is not a token id")
             try:
                 tid = int(k)  # JSON object keys arrive as strings
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias key {k!r} is not a token id") from None
-            if tid < 0:
-                raise ValueError(f"logit_bias key {k!r} is not a token id")
+            if not 0 <= tid <= MAX_TOKEN_ID or isinstance(k, (bool, float)):
+                raise ValueError(f"logit_bias key {k!r} is not a token id "
+                                 f"(an integer in [0, {MAX_TOKEN_ID}])")
             _number(f"logit_bias[{k}]", v, -100.0, 100.0)
             out[tid] = float(v)
         return out
@@ -125,6 +149,10 @@ class SamplingParams:
             raise ValueError("stop must be a non-empty string or a list of them")
         if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings")
+        for s in stops:
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters, "
+                                 f"got {len(s)}")
         return tuple(stops)
 
     @property

@@ -268,6 +268,7 @@ def create_app(config: ServiceConfig) -> RawSend:
             if app.state.gateway is not None:
                 await drain(app.state.gateway, config.shutdown_grace)
                 await app.state.engine.shutdown()
+                app.state.gateway.close()
 
     routes = [
         Route("/health", health),

@@ -253,6 +253,11 @@ def _kv_args(g: Any) -> None:
             action="store_true",
             help="also write prompt blocks to the tier as they fill, not only on eviction "
                  "(prefix sharing across replicas)")
+    env_arg(g, "--kv-tier-secret", "KV_TIER_SECRET", metavar="SECRET", secret=True,
+            help="shared by every replica on the same Redis (e.g. `openssl rand -hex 32`): "
+                 "blocks in Redis carry an HMAC keyed by it and tenant salts derive from "
+                 "it, so whoever can read or write Redis can neither forge blocks nor test "
+                 "which prompts were cached; none: the tier trusts Redis")
 
 
 def _gib(gb: float) -> int:
@@ -278,7 +283,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=a.prefix_caching, kv_prefault=a.kv_prefault, kv_tier=a.kv_tier,
         redis_url=a.redis_url,
         kv_tier_memory=_gib(a.kv_tier_memory_gb), kv_tier_ttl=a.kv_tier_ttl,
-        kv_tier_write_through=a.kv_tier_write_through, seed=a.seed, **serve_only)
+        kv_tier_write_through=a.kv_tier_write_through,
+        kv_tier_secret=a.kv_tier_secret or "", seed=a.seed, **serve_only)
 
 
 def _llm(a: argparse.Namespace):  # noqa: ANN202 - engine.LLM
@@ -339,8 +345,16 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return _serve_on(sock, a)
 
 
+def _configure_logging(level: str) -> None:
+    """--log-level: Tidewire's own loggers at `level`; the root logger (the libraries')
+    never below INFO, since their debug output carries request headers and frames."""
+    n = logging.getLevelName(level.upper())
+    logging.basicConfig(level=max(n, logging.INFO), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("tidewire").setLevel(n)
+
+
 def _serve_on(sock: Any, a: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _configure_logging(a.log_level)
     logging.getLogger("tidewire").info("listening on http://%s:%d (loading the model)",
                                        a.host, a.port)
     from service.config import Limits, ServiceConfig
@@ -353,7 +367,10 @@ def _serve_on(sock: Any, a: argparse.Namespace) -> int:
                     max_inflight_per_key=a.max_inflight_per_key, max_queue=a.max_queue,
                     max_tokens_per_minute_per_key=a.max_tokens_per_minute_per_key,
                     max_message_bytes=a.max_message_bytes, idle_timeout=a.idle_timeout,
-                    resume_grace=a.resume_grace, max_detached=a.max_detached)
+                    resume_grace=a.resume_grace, max_detached=a.max_detached,
+                    max_detached_per_key=a.max_detached_per_key,
+                    max_connections_per_key=a.max_connections_per_key,
+                    max_compiles_per_key=a.max_compiles_per_key)
     config = ServiceConfig(
         engine=engine, model_name=a.served_model_name or a.model,
         api_keys=ServiceConfig.keys_from_env(a.api_keys),
@@ -361,9 +378,11 @@ def _serve_on(sock: Any, a: argparse.Namespace) -> int:
         limits=limits, ws_compression=a.ws_compression,
         sampling_defaults=a.sampling_defaults, metrics_key=a.metrics_key,
         shutdown_grace=a.shutdown_grace)
-    server = build_server(config, a.host, a.port)
+    # a dead engine ends the process (exit status 1), for its supervisor to restart it
+    server = build_server(config, a.host, a.port, log_level=a.log_level,
+                          exit_on_engine_death=True)
     server.run(sockets=[sock])
-    return 1 if server.load_error is not None else 0
+    return 1 if server.failed else 0
 
 
 ENV_EPILOG = """\
@@ -401,6 +420,13 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                  "for WebSocket handshakes and CORS; *: any; none: same-origin only. "
                  "Requests without an Origin header (SDKs, curl) are not checked")
 
+    lg = p.add_argument_group("logging")
+    env_arg(lg, "--log-level", "LOG_LEVEL", default="info",
+            choices=["debug", "info", "warning", "error"],
+            help="info: start-up, load and access lines (query keys redacted); warning: "
+                 "no access lines; debug: Tidewire's own debug lines too (the server "
+                 "libraries stay at info: their debug output has headers and frames)")
+
     sm = p.add_argument_group("sampling")
     env_arg(sm, "--sampling-defaults", "SAMPLING_DEFAULTS", default="model",
             choices=["model", "none"],
@@ -430,6 +456,9 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     env_arg(lim, "--max-connections", "MAX_CONNECTIONS", type=int, default=1024,
             help="open WebSocket connections; beyond it a new socket is closed with 1013 "
                  "(try again later) right after its handshake")
+    env_arg(lim, "--max-connections-per-key", "MAX_CONNECTIONS_PER_KEY", type=int, default=256,
+            help="open WebSocket connections of one API key (1013 beyond it); with "
+                 "--api-keys only")
     env_arg(lim, "--max-inflight-per-connection", "MAX_INFLIGHT_PER_CONNECTION", type=int,
             default=64, help="unfinished requests one WebSocket connection may have")
     env_arg(lim, "--max-inflight-per-key", "MAX_INFLIGHT_PER_KEY", type=int, default=256,
@@ -453,6 +482,12 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                  "reconnect to resume them; 0: a disconnect aborts them")
     env_arg(lim, "--max-detached", "MAX_DETACHED", type=int, default=1024,
             help="requests parked for resume server-wide; beyond it a disconnect aborts")
+    env_arg(lim, "--max-detached-per-key", "MAX_DETACHED_PER_KEY", type=int, default=256,
+            help="of those, what one API key may hold (its further ones are aborted); with "
+                 "--api-keys only")
+    env_arg(lim, "--max-compiles-per-key", "MAX_COMPILES_PER_KEY", type=int, default=4,
+            help="response_format constraints one API key may have compiling at once "
+                 "(too_many_inflight beyond); with --api-keys only")
     env_arg(lim, "--shutdown-grace", "SHUTDOWN_GRACE", type=float, default=10.0,
             metavar="SECONDS",
             help="on SIGTERM or SIGINT: how long in-flight streams may go on finishing (no "

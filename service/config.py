@@ -29,6 +29,13 @@ class Limits:
     # this long for a reconnect to `resume` them; 0 = a disconnect aborts them.
     resume_grace: float = 30.0
     max_detached: int = 1024  # requests parked server-wide; past it a disconnect aborts
+    # of those, what one API key may hold (the parking space is shared between keys)
+    max_detached_per_key: int = 256
+    # sockets of one API key (keyed servers; max_connections bounds them all)
+    max_connections_per_key: int = 256
+    # response_format constraints of one API key compiling at once: each holds a grammar
+    # worker, and a key must not fill the queue every other tenant's compile waits in
+    max_compiles_per_key: int = 4
 
 
 @dataclass(frozen=True)

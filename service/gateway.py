@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import contextlib
 import hashlib
 import hmac
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -30,10 +31,17 @@ class Principal:
 
     key: str | None
     tenant: str
+    salt_key: bytes | None = field(default=None, repr=False)  # TierConfig.salt_key
 
     @property
     def salt(self) -> bytes:
-        """Seeds the prefix-cache hash chain: tenants never share cached blocks."""
+        """Seeds the prefix-cache hash chain: tenants never share cached blocks. With the
+        kv tier secret's salt key it is an HMAC of the tenant (the open server's "" too),
+        so block keys in Redis cannot be computed from a guessed prompt; without it, a
+        plain hash (b"" for the open server), as before the secret existed."""
+        if self.salt_key:
+            return hmac.new(self.salt_key, b"tenant:" + self.tenant.encode(),
+                            hashlib.sha256).digest()
         return hashlib.sha256(b"tidewire.tenant:" + self.tenant.encode()).digest() if self.tenant else b""
 
 
@@ -44,6 +52,19 @@ class Admission:
     principal: Principal
     # set when the server ends the request itself (shutdown): what its client is told
     failure: ProtocolError | None = None
+    reserved: int = 0  # tokens taken from its key's budget at admission (service.ratelimit)
+
+
+@dataclass(slots=True, eq=False)
+class Hold:
+    """A request being prepared before admission (its constraint compiling, its large
+    prompt tokenizing off the event loop): it counts as in flight for its key from the
+    start, so preparing work is bounded like running work. `submit(hold=...)` hands it
+    to the admission; `unhold` releases one that was not admitted (idempotent)."""
+
+    principal: Principal
+    compiling: bool  # counts toward the key's compile limit (Limits.max_compiles_per_key)
+    active: bool = True
 
 
 class Gateway:
@@ -52,8 +73,16 @@ class Gateway:
         # API keys by their SHA-256: a presented key is looked up by its digest, so how
         # long a lookup takes says nothing about the keys' characters
         self._keys = {_digest(k): (k, tenant) for k, tenant in config.api_keys.items()}
+        self._salt_key = config.engine.tier.salt_key  # the same secret as the blocks' MAC
         self.inflight_total = 0
+        # requests in flight (admitted, or held while they are prepared) by API key
         self.inflight_by_key: dict[str | None, int] = {}
+        self.compiling_by_key: dict[str | None, int] = {}
+        self.sessions_by_key: dict[str | None, int] = {}  # open sockets
+        # large prompts are tokenized here, off the event loop, one at a time (the Rust
+        # tokenizer releases the GIL: the loop keeps streaming meanwhile)
+        self._tokenizing = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tidewire-tokenize")
         tpm = config.limits.max_tokens_per_minute_per_key
         self.token_budget = TokenBudget(tpm) if tpm > 0 and config.api_keys else None
         self.accepting = True
@@ -81,9 +110,12 @@ class Gateway:
     def add_session(self, session: Any) -> None:
         self.sessions.add(session)
         self._by_id[session.session_id] = session
+        self._count(session.principal.key, 1, self.sessions_by_key)
 
     def remove_session(self, session: Any) -> None:
-        self.sessions.discard(session)
+        if session in self.sessions:
+            self.sessions.discard(session)
+            self._count(session.principal.key, -1, self.sessions_by_key)
         self._by_id.pop(session.session_id, None)
 
     def authenticate(self, authorization: str | None,
@@ -91,7 +123,7 @@ class Gateway:
         """Bearer header, or the browser subprotocol tidewire.auth.<base64url key>."""
         keys = self.config.api_keys
         if not keys:
-            return Principal(None, "")
+            return Principal(None, "", self._salt_key)
         key = None
         if authorization and authorization.lower().startswith("bearer "):
             key = authorization[7:].strip()
@@ -104,7 +136,7 @@ class Gateway:
         if key is None or found is None or not hmac.compare_digest(found[0].encode(),
                                                                    key.encode()):
             raise ProtocolError("unauthorized", "missing or invalid API key")
-        return Principal(found[0], found[1])
+        return Principal(found[0], found[1], self._salt_key)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -112,29 +144,36 @@ class Gateway:
                prompt: str | list[int] | None = None,
                messages: list[dict[str, Any]] | None = None, warm: bool = False,
                tools: list[dict[str, Any]] | None = None,
-               output_token_ids: Sequence[int] = ()) -> Admission:
+               output_token_ids: Sequence[int] = (), prompt_ids: list[int] | None = None,
+               hold: Hold | None = None) -> Admission:
         """Admit a request or raise ProtocolError (overloaded, invalid, too long...).
         `output_token_ids`: a stream continued here from the tokens its client received
-        (a resume of a request this server does not hold)."""
+        (a resume of a request this server does not hold). `prompt_ids`: the prompt
+        already tokenized (`prompt_ids()`); `hold`: the request's hold, which the
+        admission takes over (the caller unholds it if this raises)."""
         lim = self.config.limits
         if not self.accepting:
             raise ProtocolError("overloaded", "server is shutting down", request_id)
-        if (principal.key is not None  # an open server's one anonymous caller: no key limit
-                and self.inflight_by_key.get(principal.key, 0) >= lim.max_inflight_per_key):
-            raise ProtocolError("too_many_inflight", "too many requests in flight for this key",
-                                request_id)
-        budget = self.token_budget
-        if budget is not None and principal.key is not None:
-            wait = budget.retry_after(principal.key)
-            if wait > 0:
-                raise ProtocolError(
-                    "rate_limited", f"this key used its {int(budget.capacity)} tokens a minute; "
-                    f"retry in {wait:.1f}s", request_id, retry_after=wait)
+        if hold is None:
+            self._check_key(principal, request_id)
+        else:
+            self.compiled(hold)
         queued = self.engine.queued()
         if queued >= lim.max_queue:
             raise ProtocolError("overloaded", f"{queued} requests already waiting", request_id)
         rid = request_id or uuid.uuid4().hex
-        ids = self._prompt_ids(prompt, messages, rid, not warm, tools)
+        ids = (prompt_ids if prompt_ids is not None
+               else self._prompt_ids(prompt, messages, rid, not warm, tools))
+        # the most this request may use: its prompt and every token it may generate
+        reserve = len(ids) + params.n * params.max_tokens
+        budget = self.token_budget if principal.key is not None else None
+        if budget is not None:
+            wait = budget.retry_after(principal.key, reserve)  # type: ignore[arg-type]
+            if wait > 0:
+                raise ProtocolError(
+                    "rate_limited", f"this key's budget of {int(budget.capacity)} tokens a "
+                    f"minute does not hold this request's {reserve} (prompt + n x max_tokens) "
+                    f"now; retry in {wait:.1f}s", request_id, retry_after=wait)
         try:
             stream = self.engine.add_request(ids, params, self._engine_id(principal, rid),
                                              principal.salt, output_token_ids)
@@ -144,13 +183,98 @@ class Gateway:
             raise ProtocolError("invalid_request", str(e), request_id) from None
         except RuntimeError as e:
             raise ProtocolError("internal_error", str(e), request_id) from None
+        adm = Admission(stream, time.monotonic(), principal, reserved=reserve if budget else 0)
         self.inflight_total += 1
-        self.inflight_by_key[principal.key] = self.inflight_by_key.get(principal.key, 0) + 1
-        n_prompt = len(stream.output.prompt_token_ids)
-        self.metrics.prompt_tokens.inc(n_prompt)
-        if budget is not None and principal.key is not None:
-            budget.charge(principal.key, n_prompt)
-        return Admission(stream, time.monotonic(), principal)
+        if hold is None:
+            self._count(principal.key, 1)
+        else:
+            hold.active = False  # its count is the admission's now
+        try:
+            self.metrics.prompt_tokens.inc(len(ids))
+            if budget is not None:
+                budget.charge(principal.key, reserve)  # type: ignore[arg-type]
+        except BaseException:
+            self.end(adm)
+            raise
+        return adm
+
+    def _check_key(self, principal: Principal, request_id: str | None) -> None:
+        lim = self.config.limits
+        if (principal.key is not None  # an open server's one anonymous caller: no key limit
+                and self.inflight_by_key.get(principal.key, 0) >= lim.max_inflight_per_key):
+            raise ProtocolError("too_many_inflight", "too many requests in flight for this key",
+                                request_id)
+
+    def _count(self, key: str | None, n: int, counts: dict[str | None, int] | None = None) -> None:
+        counts = self.inflight_by_key if counts is None else counts
+        left = counts.get(key, 0) + n
+        if left:
+            counts[key] = left
+        else:
+            counts.pop(key, None)
+
+    def hold(self, principal: Principal, request_id: str | None, compiling: bool) -> Hold:
+        """Count a request that is prepared before admission (see Hold); raises
+        too_many_inflight past its key's limits."""
+        self._check_key(principal, request_id)
+        lim = self.config.limits
+        if compiling and principal.key is not None:
+            if self.compiling_by_key.get(principal.key, 0) >= lim.max_compiles_per_key:
+                raise ProtocolError("too_many_inflight", "this key has "
+                                    f"{lim.max_compiles_per_key} constraints compiling already",
+                                    request_id)
+        if compiling:
+            self._count(principal.key, 1, self.compiling_by_key)
+        self._count(principal.key, 1)
+        return Hold(principal, compiling)
+
+    def compiled(self, hold: Hold) -> None:
+        """The held request's constraint is compiled (or will not be): it leaves the
+        key's compile count."""
+        if hold.compiling:
+            hold.compiling = False
+            self._count(hold.principal.key, -1, self.compiling_by_key)
+
+    def unhold(self, hold: Hold) -> None:
+        """Release a hold that did not become an admission (a no-op for one that did)."""
+        self.compiled(hold)
+        if hold.active:
+            hold.active = False
+            self._count(hold.principal.key, -1)
+
+    def off_loop(self, prompt: str | list[int] | None,
+                 messages: list[dict[str, Any]] | None) -> bool:
+        """Whether this prompt is large enough to be tokenized off the event loop."""
+        return _text_bytes(prompt, messages, INLINE_PROMPT_BYTES) > INLINE_PROMPT_BYTES
+
+    async def prompt_ids(self, prompt: str | list[int] | None,
+                         messages: list[dict[str, Any]] | None, request_id: str | None,
+                         generation_prompt: bool = True,
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt's token ids, tokenized on the tokenizing thread (a large prompt)
+        after a check of its size in bytes against the context window: one that cannot
+        fit is refused before any tokenizing."""
+        rid = request_id or ""
+        self._check_size(prompt, messages, request_id)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._tokenizing, self._prompt_ids, prompt, messages, rid, generation_prompt,
+            tools, True)
+
+    def _check_size(self, prompt: str | list[int] | None,
+                    messages: list[dict[str, Any]] | None, request_id: str | None) -> None:
+        most = self.engine.max_prompt_bytes
+        if most is None:
+            return
+        size = _text_bytes(prompt, messages, most)
+        if size > most:
+            raise ProtocolError(
+                "context_length_exceeded", f"the prompt's {size} bytes are more than "
+                f"{self.engine.max_model_len} tokens, the context window, can hold "
+                f"(at most {most} bytes with this tokenizer)", request_id)
+
+    def close(self) -> None:
+        self._tokenizing.shutdown(wait=False, cancel_futures=True)
 
     def queue_position(self) -> int | None:
         """Requests ahead of a new one when it will not be admitted at once, else None
@@ -175,8 +299,10 @@ class Gateway:
         sampled). Messages are rendered without the generation prompt: that rendering
         is the prefix the next turn's prompt starts with."""
         last = None
+        ids = (await self.prompt_ids(prompt, messages, request_id, False)
+               if self.off_loop(prompt, messages) else None)
         async with self.admit(principal, SamplingParams(max_tokens=1, temperature=0.0),
-                              request_id, prompt, messages, warm=True) as adm:
+                              request_id, prompt, messages, warm=True, prompt_ids=ids) as adm:
             async for last in adm.stream:  # noqa: B007 - the last output is what we want
                 pass
         if last is None or last.finish_reason == "error":
@@ -190,13 +316,17 @@ class Gateway:
 
     def _prompt_ids(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
                     rid: str, generation_prompt: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    any_thread: bool = False) -> list[int]:
+        """`any_thread`: use only what is safe off the event loop (Rust encode)."""
         eng = self.engine
+        if not any_thread:
+            self._check_size(prompt, messages, rid)
         try:
             if messages is not None:
-                return eng.apply_chat_template(messages, generation_prompt, tools)
+                return eng.apply_chat_template(messages, generation_prompt, tools, any_thread)
             assert prompt is not None
-            return eng.tokenize(prompt)
+            return eng.tokenize(prompt, any_thread)
         except (ValueError, TypeError) as e:
             raise ProtocolError("invalid_request", str(e), rid) from None
         except Exception as e:  # noqa: BLE001 - a template error is the client's input
@@ -244,9 +374,11 @@ class Gateway:
     async def admit(self, principal: Principal, params: SamplingParams,
                     request_id: str | None = None, prompt: str | list[int] | None = None,
                     messages: list[dict[str, str]] | None = None,
-                    warm: bool = False) -> AsyncIterator[Admission]:
+                    warm: bool = False,
+                    prompt_ids: list[int] | None = None) -> AsyncIterator[Admission]:
         """`submit`, and `end` when the block exits, however it exits."""
-        adm = self.submit(principal, params, request_id, prompt, messages, warm)
+        adm = self.submit(principal, params, request_id, prompt, messages, warm,
+                          prompt_ids=prompt_ids)
         try:
             yield adm
         finally:
@@ -274,16 +406,35 @@ class Gateway:
         """Bookkeeping when a request ends, whatever the way."""
         self.inflight_total -= 1
         key = adm.principal.key
-        self.inflight_by_key[key] -= 1
-        if not self.inflight_by_key[key]:
-            del self.inflight_by_key[key]
-        if self.token_budget is not None and key is not None:  # what it generated
-            self.token_budget.charge(key, sum(len(o.token_ids) for o in adm.stream.output.outputs))
+        self._count(key, -1)
+        if adm.reserved and self.token_budget is not None and key is not None:
+            out = adm.stream.output  # what it did not use of its reservation comes back
+            used = len(out.prompt_token_ids) + sum(len(o.token_ids) for o in out.outputs)
+            self.token_budget.refund(key, adm.reserved - used)
         self.metrics.requests.labels(finish_reason or "unknown").inc()
         self.metrics.e2e.observe(time.monotonic() - adm.arrival)
         self.metrics.observe_spec(adm.stream.output.spec)
         if adm.stream.sampled_at:  # it was admitted: its wait for a batch slot is known
             self.metrics.queue.observe(adm.stream.queue_time)
+
+
+# prompts up to this size (UTF-8 bytes of the text or of the messages' contents) are
+# tokenized on the event loop (~20 us a KiB); larger ones on the tokenizing thread
+INLINE_PROMPT_BYTES = 16 * 1024
+
+
+def _text_bytes(prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
+                above: int) -> int:
+    """The UTF-8 size of a prompt's text (0 for token ids), exact up to `above` and more
+    than `above` past it (a string longer than that in characters is not encoded)."""
+    texts = ([prompt] if isinstance(prompt, str) else []) + [
+        m["content"] for m in messages or () if isinstance(m.get("content"), str)]
+    size = 0
+    for t in texts:
+        size += len(t) if len(t) > above else len(t.encode("utf-8", "surrogatepass"))
+        if size > above:
+            break
+    return size
 
 
 def _digest(key: str) -> bytes:

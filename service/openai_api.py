@@ -20,7 +20,7 @@ from engine import SamplingParams
 from engine.structured import from_structured_outputs
 from engine.outputs import CompletionOutput, RequestOutput
 from service.gateway import Admission, Gateway, Principal
-from service.protocol import ProtocolError
+from service.protocol import MAX_MESSAGES, ProtocolError, check_depth
 from service.delivery import Timings
 from service import tools as tool_calls
 
@@ -134,8 +134,13 @@ async def _body(request: Request) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # JSONDecodeError is one
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
         raise ProtocolError("invalid_request", f"the body is not valid JSON ({reason})") from None
+    check_depth(body, what="body")
     if not isinstance(body, dict):
         raise ProtocolError("invalid_request", "the body must be a JSON object")
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        raise ProtocolError("invalid_request", f"messages holds at most {MAX_MESSAGES} messages, "
+                            f"got {len(messages)}")
     return body
 
 
@@ -230,7 +235,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
         table = (gw.engine.byte_table(False)
                  if chat and params.logprobs is not None else None)
-        jobs = _submit_all(gw, principal, params, body, chat, tools)
+        jobs = await _submit_all(gw, principal, params, body, chat, tools)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
@@ -271,10 +276,11 @@ def _tools(body: dict[str, Any], chat: bool) -> tool_calls.Tools | None:
     return tool_calls.parse(body)
 
 
-def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
-                body: dict[str, Any], chat: bool,
-                tools: tool_calls.Tools | None = None) -> list[_Job]:
-    """Admit each prompt, or none: a refusal releases the ones already admitted."""
+async def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
+                      body: dict[str, Any], chat: bool,
+                      tools: tool_calls.Tools | None = None) -> list[_Job]:
+    """Admit each prompt, or none: a refusal releases the ones already admitted. A large
+    prompt is tokenized off the event loop first (Gateway.prompt_ids)."""
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise ProtocolError("invalid_request", "echo must be a boolean")
@@ -285,18 +291,30 @@ def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
     if messages is not None:
         messages, template_tools = tool_calls.render(messages, tools,
                                                      gw.engine.template_renders_tools)
+    if len(prompts) * params.n > MAX_PROMPT_SAMPLES:
+        raise ProtocolError("invalid_request", f"{len(prompts)} prompts x n = {params.n} is over "
+                            f"{MAX_PROMPT_SAMPLES} samples in one request")
+    ids: list[list[int] | None] = [None] * len(prompts)
+    for i, prompt in enumerate(prompts):
+        if gw.off_loop(prompt, messages):
+            ids[i] = await gw.prompt_ids(prompt, messages, None, True, template_tools)
     jobs: list[_Job] = []
     try:
         for i, prompt in enumerate(prompts):
-            adm = gw.submit(principal, params, None, prompt, messages, tools=template_tools)
+            adm = gw.submit(principal, params, None, prompt, messages, tools=template_tools,
+                            prompt_ids=ids[i])
             gw.http_inflight.add(adm)
             jobs.append(_Job(adm, i * params.n,
                              _echo_text(gw, adm, prompt) if echo else None,  # type: ignore[arg-type]
                              params.logprobs is not None))
-    except ProtocolError:
+    except BaseException:  # a refusal, or a fault of ours: nothing admitted may leak
         _end(gw, jobs)
         raise
     return jobs
+
+
+# prompts x n of one /v1/completions request (each sample is a request in flight)
+MAX_PROMPT_SAMPLES = 256
 
 
 def _prompts(body: dict[str, Any]) -> list[str | list[int]]:

@@ -14,6 +14,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
+                                    MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, MAX_TOKENS, MAX_TOP_K)
+from service.openai_api import MAX_PROMPT_SAMPLES
+from service.protocol import MAX_MESSAGES
 from service.vllm_api import _version
 
 
@@ -34,24 +38,27 @@ def _integer(lo: int, hi: int | None = None) -> dict[str, Any]:
     return _nullable(s)
 
 
-_STOP = _nullable({"anyOf": [{"type": "string", "minLength": 1},
-                             {"type": "array", "items": {"type": "string", "minLength": 1},
-                              "maxItems": 16}]})
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
+_STOP = _nullable({"anyOf": [_STOP_STRING, {"type": "array", "items": _STOP_STRING,
+                                            "maxItems": MAX_STOP_STRINGS}]})
 
 # The sampling fields both completion endpoints take (docs/protocol.md has the ranges).
 SAMPLING: dict[str, Any] = {
-    "max_tokens": _integer(1), "max_completion_tokens": _integer(1),
+    "max_tokens": _integer(1, MAX_TOKENS), "max_completion_tokens": _integer(1, MAX_TOKENS),
     "temperature": _number(0, 100), "top_p": _number(0, 1, lo_open=True),
     "n": _integer(1, 16), "stop": _STOP,
     "seed": _integer(-(2**63), 2**63 - 1),
     "presence_penalty": _number(-2, 2), "frequency_penalty": _number(-2, 2),
     "logit_bias": _nullable({"type": "object", "propertyNames": {"pattern": "^[0-9]{1,9}$"},
+                             "maxProperties": MAX_LOGIT_BIAS,
                              "additionalProperties": {"type": "number", "minimum": -100,
                                                       "maximum": 100}}),
-    "top_k": _integer(0), "min_p": _number(0, 1),
+    "top_k": _integer(0, MAX_TOP_K), "min_p": _number(0, 1),
     "repetition_penalty": _number(0, 10, lo_open=True), "min_tokens": _integer(0),
     "ignore_eos": _nullable({"type": "boolean"}),
-    "stop_token_ids": _nullable({"type": "array", "items": {"type": "integer", "minimum": 0}}),
+    "stop_token_ids": _nullable({"type": "array", "maxItems": MAX_STOP_TOKEN_IDS,
+                                 "items": {"type": "integer", "minimum": 0,
+                                           "maximum": MAX_TOKEN_ID}}),
     "skip_special_tokens": _nullable({"type": "boolean"}),
     "speculative": _nullable({"type": "boolean"}),
     "model": {"type": "string"}, "user": {"type": "string"},
@@ -62,9 +69,10 @@ SAMPLING: dict[str, Any] = {
     "structured_outputs": _nullable({"type": "object"}),
 }
 
-_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+              "minItems": 1}
 _PROMPT = {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS,
-                     {"type": "array", "minItems": 1,
+                     {"type": "array", "minItems": 1, "maxItems": MAX_PROMPT_SAMPLES,
                       "items": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}]}
 
 _FUNCTION = {"type": "object", "required": ["name"],
@@ -103,7 +111,7 @@ SCHEMAS: dict[str, Any] = {
         "type": "object", "required": ["messages"], "additionalProperties": False,
         "properties": {
             **SAMPLING,
-            "messages": {"type": "array", "minItems": 1,
+            "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
                          "items": {"$ref": "#/components/schemas/Message"}},
             "logprobs": _nullable({"type": "boolean"}), "top_logprobs": _integer(0, 20),
             "tools": _nullable({"type": "array", "minItems": 1, "maxItems": 128,
@@ -160,7 +168,7 @@ SCHEMAS: dict[str, Any] = {
                              "sampling_defaults": {"type": "object"}}},
     "WarmRequest": {"type": "object", "additionalProperties": False, "properties": {
         "model": {"type": "string"},
-        "messages": {"type": "array", "minItems": 1,
+        "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
                      "items": {"$ref": "#/components/schemas/Message"}},
         "prompt": {"anyOf": [{"type": "string", "minLength": 1}, _TOKEN_IDS]}}},
     "Warmed": {"type": "object", "required": ["prompt_tokens", "cached_tokens", "reused_tokens"],

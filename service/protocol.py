@@ -22,6 +22,10 @@ ERROR_CODES = frozenset({
 RETRYABLE = frozenset({"too_many_inflight", "overloaded", "slow_consumer", "internal_error",
                        "rate_limited"})
 MAX_ID_LEN = 128
+MAX_DEPTH = 32  # nesting of a client message's maps and lists (JSON schemas included)
+MAX_MESSAGES = 1024  # chat messages in one request
+MAX_SEQ = (1 << 31) - 1  # resume.after_seq
+MAX_RESUME_TOKENS = 1 << 20  # resume.token_ids (SamplingParams.MAX_TOKENS)
 
 
 class ProtocolError(Exception):
@@ -62,11 +66,25 @@ class Codec:
         """One message, or an `invalid_request` ProtocolError whose message says what was
         wrong in the terms of the subprotocol the client chose (a client author reads it)."""
         msg = _unpack_msgpack(data) if self.binary else _load_json(data)
+        check_depth(msg)
         if not isinstance(msg, dict):
             want, names = ("a map", _MSGPACK_KINDS) if self.binary else ("an object", _JSON_KINDS)
             got = names.get(type(msg), type(msg).__name__)
             raise ProtocolError("invalid_request", f"a message must be {want}, got {got}")
         return msg
+
+
+def check_depth(value: Any, most: int = MAX_DEPTH, what: str = "message") -> None:
+    """Refuse a value nested deeper than `most` maps and lists (walked without recursion:
+    everything that reads a request later may recurse)."""
+    level: list[Any] = [value]
+    for _ in range(most + 1):
+        level = [v for x in level
+                 for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list) else ())
+                 if isinstance(v, (dict, list))]
+        if not level:
+            return
+    raise ProtocolError("invalid_request", f"the {what} is nested more than {most} levels deep")
 
 
 # what a client author calls the value a message decoded to, in each subprotocol
@@ -217,8 +235,9 @@ def parse_resume(msg: dict[str, Any]) -> Resume:
     if unknown:
         raise ProtocolError("invalid_request", f"unknown field(s): {', '.join(sorted(unknown))}", rid)
     seq, sid = msg.get("after_seq", 0), msg.get("session_id")
-    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-        raise ProtocolError("invalid_request", "after_seq must be an integer >= 0", rid)
+    if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq <= MAX_SEQ:
+        raise ProtocolError("invalid_request", f"after_seq must be an integer in [0, {MAX_SEQ}]",
+                            rid)
     if not isinstance(sid, str) or not sid or len(sid) > MAX_ID_LEN:
         raise ProtocolError("invalid_request",
                             "session_id (from the dropped socket's ready frame) is required", rid)
@@ -226,9 +245,10 @@ def parse_resume(msg: dict[str, Any]) -> Resume:
     if req is not None and (not isinstance(req, dict) or {"type", "id"} & set(req)):
         raise ProtocolError("invalid_request", "request must be the generate's fields, without "
                             "type and id", rid)
-    if not isinstance(toks, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in toks):
-        raise ProtocolError("invalid_request", "token_ids must be a list of integers", rid)
+    if not isinstance(toks, list) or len(toks) > MAX_RESUME_TOKENS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_SEQ for t in toks):
+        raise ProtocolError("invalid_request", "token_ids must be a list of at most "
+                            f"{MAX_RESUME_TOKENS} token ids", rid)
     if toks and req is None:
         raise ProtocolError("invalid_request", "token_ids come with request", rid)
     return Resume(rid, seq, sid, req, toks)
@@ -256,6 +276,9 @@ def _messages(msg: dict[str, Any], rid: str) -> list[dict[str, Any]] | None:
 
     if "messages" not in msg:
         return None
+    if isinstance(msg["messages"], list) and len(msg["messages"]) > MAX_MESSAGES:
+        raise ProtocolError("invalid_request", f"messages holds at most {MAX_MESSAGES} messages, "
+                            f"got {len(msg['messages'])}", rid)
     try:
         return tool_calls.check_messages(msg["messages"])
     except ProtocolError:

@@ -1,11 +1,13 @@
 """Tokens per minute per API key.
 
 Each key has a bucket of `per_minute` tokens that refills continuously (per_minute / 60
-a second) up to full. A request is admitted while its key's bucket holds at least one
-token; its prompt tokens are taken at admission and its generated tokens when it ends,
-so the bucket can go below zero by what the requests in flight produce, and the key
-then waits until the refill has paid that back. A request in flight is never cut off
-by the limit: it is checked at admission only.
+a second) up to full. A request reserves what it may use at admission: its prompt plus
+n x max_tokens, and is admitted only while the bucket holds that much (or, for a request
+larger than the whole bucket, while the bucket is full). When it ends, the part of the
+reservation it did not generate is paid back. So requests admitted at the same time
+cannot use more than the bucket between them, however many arrive at once (charging
+generated tokens only at the end let 256 concurrent requests take hours of budget). A
+request in flight is never cut off by the limit: it is checked at admission only.
 """
 
 from __future__ import annotations
@@ -34,13 +36,25 @@ class TokenBudget:
             self._buckets.pop(key, None)
         return level
 
-    def retry_after(self, key: str) -> float:
-        """0 when the key may start a request now, else seconds until it may."""
+    def retry_after(self, key: str, tokens: float = 1.0) -> float:
+        """0 when the key may start a request that reserves `tokens` now, else seconds
+        until it may (a reservation past the capacity waits for a full bucket)."""
+        need = min(max(tokens, 1.0), self.capacity)
         level = self.level(key)
-        return 0.0 if level >= 1.0 else (1.0 - level) / self.rate
+        return 0.0 if level >= need else (need - level) / self.rate
 
     def charge(self, key: str, tokens: int) -> None:
-        """The key used `tokens` tokens."""
+        """The key used (or reserved) `tokens` tokens."""
         if tokens <= 0:
             return
         self._buckets[key] = (self.level(key) - tokens, self.clock())
+
+    def refund(self, key: str, tokens: int) -> None:
+        """A reservation's unused part comes back (never past the capacity)."""
+        if tokens <= 0:
+            return
+        level = self.level(key) + tokens
+        if level >= self.capacity:
+            self._buckets.pop(key, None)
+        else:
+            self._buckets[key] = (level, self.clock())

@@ -34,6 +34,7 @@ class ParkedRequests:
         self.limits, self.engine, self.metrics, self._release = limits, engine, metrics, release
         self.detached: dict[str, Detached] = {}  # by the dropped socket's session id
         self.count = 0  # requests parked now
+        self.by_key: dict[str | None, int] = {}  # of those, by API key
 
     def detach(self, session_id: str, key: str | None, lives: dict[str, Live],
                accepting: bool) -> list[Live]:
@@ -42,6 +43,8 @@ class ParkedRequests:
         those."""
         lim = self.limits
         room = lim.max_detached - self.count
+        if key is not None:  # the space is shared: no key takes more than its part
+            room = min(room, lim.max_detached_per_key - self.by_key.get(key, 0))
         if lim.resume_grace <= 0 or not accepting or room <= 0:
             self.metrics.resumes.labels("refused").inc(len(lives))
             return list(lives.values())
@@ -53,7 +56,7 @@ class ParkedRequests:
         d.timer = asyncio.get_running_loop().call_later(lim.resume_grace, self._expire,
                                                         session_id)
         self.detached[session_id] = d
-        self._count(len(keep))
+        self._count(len(keep), key)
         self.metrics.resumes.labels("parked").inc(len(keep))
         return [live for rid, live in lives.items() if rid not in keep]
 
@@ -71,7 +74,7 @@ class ParkedRequests:
         del d.lives[rid]
         if not d.lives:
             self._drop(session_id)
-        self._count(-1)
+        self._count(-1, key)
         self.metrics.resumes.labels("resumed").inc()
         if not live.adm.stream.finished:
             self.engine.unpark(live.adm.stream.request_id)
@@ -86,7 +89,7 @@ class ParkedRequests:
         d = self._drop(session_id)
         if d is None:
             return
-        self._count(-len(d.lives))
+        self._count(-len(d.lives), d.key)
         self.metrics.resumes.labels("expired").inc(len(d.lives))
         for live in d.lives.values():
             if not live.adm.stream.finished:
@@ -100,6 +103,11 @@ class ParkedRequests:
             d.timer.cancel()
         return d
 
-    def _count(self, n: int) -> None:
+    def _count(self, n: int, key: str | None) -> None:
         self.count += n
+        left = self.by_key.get(key, 0) + n
+        if left:
+            self.by_key[key] = left
+        else:
+            self.by_key.pop(key, None)
         self.metrics.detached.set(self.count)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from functools import partial
@@ -31,13 +32,15 @@ from typing import Any
 from starlette.websockets import WebSocket
 
 from service.delivery import Live, Timings, done_frame, replay, step_frames
-from service.gateway import Gateway, Principal
+from service.gateway import Admission, Gateway, Hold, Principal
 from service.origins import origin_allowed
 from service.protocol import (SUBPROTOCOL_JSON, SUBPROTOCOL_MSGPACK, Codec, Generate,
                               ProtocolError, Resume, parse_generate, parse_resume, parse_warm,
                               request_id)
 from service import tools as tool_calls
 from service.sender import Sender
+
+log = logging.getLogger("tidewire.service")
 
 # How long, and for how many requests, a socket keeps its ended requests resumable after
 # their done was written (see the module docstring).
@@ -64,7 +67,9 @@ class Session:
         self.sender = Sender(ws, codec, self.limits, self._pull, self._delivered,
                              gateway.log_delivery)
         self.warms: set[asyncio.Task[None]] = set()
-        self.compiling: set[asyncio.Task[None]] = set()  # generates waiting for a compile
+        # generates prepared before admission (a constraint compiling, a large prompt
+        # tokenizing off the loop), by client id: they count as in flight
+        self.preparing: dict[str, asyncio.Task[None]] = {}
         self.resuming: set[asyncio.Task[None]] = set()  # resumes waiting for a socket to close
         self.session_id = uuid.uuid4().hex
         self.closed = asyncio.Event()  # set once this socket's requests are parked or ended
@@ -90,7 +95,7 @@ class Session:
     def idle(self) -> bool:
         """No request, warm or resume in flight, and every frame written: closing the
         socket now loses the client nothing."""
-        return not (self.live or self.unsent or self.warms or self.compiling or self.resuming
+        return not (self.live or self.unsent or self.warms or self.preparing or self.resuming
                     or not self.sender.idle)
 
     def _limits(self) -> dict[str, Any]:
@@ -198,10 +203,14 @@ class Session:
             if self._over_limit(data):
                 self._error(self._too_big(data))  # the socket stays open, as for any bad message
                 continue
+            msg = None
             try:
-                self._handle(self.codec.decode(data))
+                msg = self.codec.decode(data)
+                self._handle(msg)
             except ProtocolError as e:
                 self._error(e)
+            except Exception as e:  # noqa: BLE001 - one frame's fault: answered, socket stays
+                self._internal(e, msg)
 
     def _over_limit(self, data: bytes | str) -> bool:
         """Whether a message is over max_message_bytes as it was on the wire: a text
@@ -231,6 +240,15 @@ class Session:
 
     def _error(self, e: ProtocolError) -> None:
         self._frame(self._failed(e))
+
+    def _internal(self, e: BaseException, msg: Any = None) -> None:
+        """A fault of ours while handling one client message: logged, answered with
+        internal_error (naming the message's id when it has one), the socket open."""
+        log.error("handling a client message failed: %r", e, exc_info=e)
+        rid = msg.get("id") if isinstance(msg, dict) else None
+        self._error(ProtocolError("internal_error", f"the server failed handling this message "
+                                  f"({type(e).__name__})",
+                                  rid if isinstance(rid, str) and len(rid) <= 128 else None))
 
     def _handle(self, msg: dict[str, Any]) -> None:
         kind = msg.get("type")
@@ -265,50 +283,85 @@ class Session:
 
     def _check_room(self, rid: str) -> None:
         """A new (or resumed) stream needs a free id and room on this socket."""
-        if rid in self.live:
+        if rid in self.live or rid in self.preparing:
             raise ProtocolError("duplicate_id", f"request {rid!r} is already in flight", rid)
-        if len(self.live) >= self.limits.max_inflight_per_connection:
+        if len(self.live) + len(self.preparing) >= self.limits.max_inflight_per_connection:
             raise ProtocolError("too_many_inflight", "too many requests in flight on this socket",
                                 rid)
 
     def _generate(self, msg: dict[str, Any]) -> None:
         g = parse_generate(msg, self.gw.sampling_defaults)
         self._check_room(g.id)
+        self._admit(g)
+
+    def _admit(self, g: Generate, cont: Resume | None = None) -> None:
+        """Start a generate now, or, when its constraint must compile (on the engine's
+        grammar workers) or its prompt is large (tokenized off the loop), once that is
+        done: the socket goes on reading meanwhile, and the request is held in flight
+        for its key from now on."""
         try:
             ready = self.gw.engine.format_ready(g.params)
         except ValueError as e:
             raise ProtocolError("invalid_request", str(e), g.id) from None
-        if ready:
-            self._start(g)
+        if ready and not self.gw.off_loop(g.prompt, g.messages):
+            self._start(g, cont)
             return
-        # its constraint is compiling (on the engine's grammar workers): the request
-        # starts once that is done; the socket goes on reading meanwhile
-        task = asyncio.create_task(self._start_compiled(g))
-        self.compiling.add(task)
-        task.add_done_callback(self.compiling.discard)
+        hold = self.gw.hold(self.principal, g.id, compiling=not ready)
+        task = asyncio.create_task(self._prepare(g, hold, cont))
+        self.preparing[g.id] = task
+        task.add_done_callback(partial(self._prepared, g.id))
 
-    async def _start_compiled(self, g: Generate, cont: Resume | None = None) -> None:
+    def _prepared(self, rid: str, _task: asyncio.Task[None]) -> None:
+        self.preparing.pop(rid, None)
+
+    async def _prepare(self, g: Generate, hold: Hold, cont: Resume | None) -> None:
         try:
             try:
                 await self.gw.engine.prepare(g.params)
             except ValueError as e:
                 raise ProtocolError("invalid_request", str(e), g.id) from None
-            self._check_room(g.id)
-            self._start(g, cont)
+            self.gw.compiled(hold)
+            messages, template_tools = self._render(g)
+            ids = None
+            if self.gw.off_loop(g.prompt, messages):
+                ids = await self.gw.prompt_ids(g.prompt, messages, g.id, True, template_tools)
+            self.preparing.pop(g.id, None)  # (its room is the live stream's now)
+            self._start(g, cont, ids, hold)
         except ProtocolError as e:
             self._error(e)
+        except Exception as e:  # noqa: BLE001 - this request's fault: answered, not leaked
+            self._internal(e, {"id": g.id})
+        finally:
+            self.gw.unhold(hold)  # (a no-op once admitted)
 
-    def _start(self, g: Generate, cont: Resume | None = None) -> None:
+    def _render(self, g: Generate) -> tuple[Any, Any]:
+        """The generate's messages with its tools rendered, and the tools the template
+        takes (None, None for a plain prompt)."""
+        if g.messages is None:
+            return None, None
+        return tool_calls.render(g.messages, g.tools, self.gw.engine.template_renders_tools)
+
+    def _start(self, g: Generate, cont: Resume | None = None, ids: list[int] | None = None,
+               hold: Hold | None = None) -> None:
         """Admit a generate. `cont`: a resume continuing it from the tokens its client
-        received (answered `resumed`; the stream goes on from `cont.after_seq`)."""
+        received (answered `resumed`; the stream goes on from `cont.after_seq`). `ids`:
+        its prompt, tokenized already; `hold`: its hold (Session._admit)."""
         ahead = self.gw.queue_position()
-        messages, template_tools = g.messages, None
-        if messages is not None:
-            messages, template_tools = tool_calls.render(messages, g.tools,
-                                                         self.gw.engine.template_renders_tools)
+        messages, template_tools = self._render(g)
         adm = self.gw.submit(self.principal, g.params, g.id, g.prompt, messages,
                              tools=template_tools,
-                             output_token_ids=cont.token_ids if cont is not None else ())
+                             output_token_ids=cont.token_ids if cont is not None else (),
+                             prompt_ids=ids, hold=hold)
+        try:
+            self._started(g, adm, ahead, cont)
+        except BaseException:  # nothing admitted may leak: the request ends here
+            self.live.pop(g.id, None)
+            adm.stream.listener = None
+            self.gw.end(adm)
+            raise
+
+    def _started(self, g: Generate, adm: Admission, ahead: int | None,
+                 cont: Resume | None) -> None:
         if cont is not None:
             self.gw.metrics.resumes.labels("continued").inc()
             self._frame({"type": "resumed", "id": g.id, "after_seq": cont.after_seq})
@@ -400,22 +453,16 @@ class Session:
         if g.params.n != 1:
             raise ProtocolError("invalid_request", "a request with n > 1 can only be resumed "
                                 "on the server that ran it", r.id)
-        try:
-            ready = self.gw.engine.format_ready(g.params)
-        except ValueError as e:
-            raise ProtocolError("invalid_request", str(e), r.id) from None
-        if ready:
-            self._start(g, r)
-            return
-        task = asyncio.create_task(self._start_compiled(g, r))
-        self.compiling.add(task)
-        task.add_done_callback(self.compiling.discard)
+        if r.after_seq > len(r.token_ids):  # each delta carried at least one token
+            raise ProtocolError("invalid_request", f"after_seq {r.after_seq} is more deltas "
+                                f"than the {len(r.token_ids)} token_ids given could fill", r.id)
+        self._admit(g, r)
 
     def _close_all(self) -> None:
         """Our side of the socket is done. If the client dropped, its unfinished
         requests are parked for a resume (blocks freed next step); otherwise, or past
         the limits, they are aborted (blocks freed next step)."""
-        for t in (*self.warms, *self.compiling, *self.resuming):
+        for t in (*self.warms, *self.preparing.values(), *self.resuming):
             t.cancel()
         for live in self.live.values():
             live.adm.stream.listener = None
@@ -461,9 +508,15 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         gw.metrics.errors.labels("unauthorized").inc()
         await ws.close(code=1008, reason="unauthorized")
         return
-    if len(gw.sessions) >= gw.config.limits.max_connections or not gw.accepting:
+    lim = gw.config.limits
+    if len(gw.sessions) >= lim.max_connections or not gw.accepting:
         await ws.accept()  # close codes only reach a client after the handshake
         await ws.close(code=1013, reason="overloaded")
+        return
+    if (principal.key is not None
+            and gw.sessions_by_key.get(principal.key, 0) >= lim.max_connections_per_key):
+        await ws.accept()
+        await ws.close(code=1013, reason="overloaded")  # (this key's share of them)
         return
     sub = choose_subprotocol(offered) or SUBPROTOCOL_JSON
     await ws.accept(subprotocol=sub if sub in offered else None)  # never echo the auth key

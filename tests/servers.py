@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import urllib.error
@@ -55,9 +56,10 @@ class RunningServer:
 
 
 @contextlib.contextmanager
-def run_server(config: ServiceConfig) -> Iterator[RunningServer]:
+def run_server(config: ServiceConfig, log_level: str = "warning") -> Iterator[RunningServer]:
+    """`log_level` "info" turns uvicorn's access log on."""
     port = free_port()
-    server = build_server(config, "127.0.0.1", port, log_level="warning")
+    server = build_server(config, "127.0.0.1", port, log_level=log_level)
     app = server.config.app
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -77,6 +79,62 @@ def run_server(config: ServiceConfig) -> Iterator[RunningServer]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def one_socket_request(ws_url: str, timeout: float = 30.0) -> list[dict]:
+    """A `generate` of a few tokens over a WebSocket (token ids: no tokenizer involved);
+    the frames it got until its `done`, its refusal (an error before any start), or the
+    server closing the socket."""
+    import json
+
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    frames: list[dict] = []
+    with connect(ws_url, subprotocols=["tidewire.v1.json"]) as ws:
+        assert json.loads(ws.recv(timeout))["type"] == "ready"
+        ws.send(json.dumps({"type": "generate", "id": "r1", "prompt_token_ids": [5, 6, 7],
+                            "params": {"max_tokens": 4}}))
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                frames.append(json.loads(ws.recv(timeout)))
+                kind = frames[-1]["type"]
+                if kind == "done" or (kind == "error"
+                                      and not any(f["type"] == "start" for f in frames)):
+                    break
+    return frames
+
+
+def request_until(ws_url: str, done: Callable[[], bool], timeout: float = 60.0) -> int:
+    """One socket request after another until done() (a faulty engine fails each one,
+    and gives up after a few in a row); returns how many went through."""
+    from websockets.exceptions import WebSocketException
+
+    deadline, sent = time.monotonic() + timeout, 0
+    while not done():
+        assert time.monotonic() < deadline, f"not done after {sent} requests"
+        try:
+            one_socket_request(ws_url)
+            sent += 1
+        except (OSError, WebSocketException):  # the server is going away
+            time.sleep(0.05)
+    return sent
+
+
+@contextlib.contextmanager
+def uvicorn_logs_to(handler: logging.Handler) -> Iterator[None]:
+    """Send uvicorn's access and error logs to `handler` (pytest's caplog.handler): they
+    do not propagate to the root logger. Enter it once the server is built, since
+    building one applies uvicorn's logging config, which replaces those loggers'
+    handlers."""
+    loggers = [logging.getLogger(n) for n in ("uvicorn.access", "uvicorn.error")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
 
 
 class RedisServer:
@@ -156,13 +214,16 @@ class RedisServer:
 
 class ServeProcess:
     """`tidewire serve` in a process of its own on a free port (what an operator runs:
-    signals, exit status and stderr are real). `args` are its flags past --port."""
+    signals, exit status and stderr are real). `args` are its flags past --port;
+    `python_args` what the interpreter runs, given `serve ...` as its arguments."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, host: str = "127.0.0.1",
-                 port: int | None = None) -> None:
+                 port: int | None = None,
+                 python_args: tuple[str, ...] = ("-m", "service.cli")) -> None:
         import os
 
         self.args, self.host, self.port = list(args), host, port or free_port()
+        self.python_args = python_args
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.url = f"http://{host}:{self.port}"
         self.ws_url = f"ws://{host}:{self.port}/v1/ws"
@@ -177,7 +238,7 @@ class ServeProcess:
 
         self._log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--host", self.host,
+            [sys.executable, *self.python_args, "serve", "--host", self.host,
              "--port", str(self.port), *self.args],
             stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
         if wait:

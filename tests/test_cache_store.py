@@ -82,6 +82,58 @@ def test_codec_rejects_another_block_model_dtype_or_shape() -> None:
         decode_block(v, FP, H[0], "bfloat16", (2, 2, 4, 2, 4), 2)
 
 
+KEY = hashlib.sha256(b"mac key").digest()
+
+
+def test_codec_with_a_mac_key_round_trips_and_reads_only_its_own_kind() -> None:
+    """A keyed value decodes with its key alone; a reader without a key refuses keyed
+    values and a keyed reader refuses unkeyed ones (a server with a secret never trusts
+    what a server without one wrote)."""
+    keyed = encode_block(FP, H[0], "bfloat16", SHAPE, PAYLOAD, mac_key=KEY)
+    assert bytes(decode_block(keyed, FP, H[0], "bfloat16", SHAPE, 2, KEY)) == PAYLOAD
+    with pytest.raises(CorruptValue, match="no kv tier secret"):
+        decode(bytes(keyed))
+    with pytest.raises(CorruptValue, match="without the kv tier secret"):
+        decode_block(value(), FP, H[0], "bfloat16", SHAPE, 2, KEY)
+    with pytest.raises(CorruptValue, match="MAC mismatch"):
+        decode_block(keyed, FP, H[0], "bfloat16", SHAPE, 2, hashlib.sha256(b"other").digest())
+
+
+def _with_tag(v: bytes | memoryview, tag: bytes, chain_hash: bytes | None = None) -> bytes:
+    """A keyed value with its MAC replaced (and its header's chain hash, if given)."""
+    b = bytearray(v)
+    if chain_hash is not None:
+        b[81:113] = chain_hash
+    b[121:153] = tag
+    return bytes(b)
+
+
+def test_codec_refuses_forged_and_moved_keyed_values() -> None:
+    """Someone who can write the tier but lacks the key: a well-formed value with a
+    valid checksum but no MAC, a keyed header with a made-up MAC, a genuine value under
+    another chain hash (header rewritten to match), or its payload swapped: all
+    refused."""
+    def read(v: bytes, i: int = 0) -> bytes:
+        return bytes(decode_block(v, FP, H[i], "bfloat16", SHAPE, 2, KEY))
+
+    genuine = encode_block(FP, H[0], "bfloat16", SHAPE, PAYLOAD, mac_key=KEY)
+    forged_payload = bytes(reversed(PAYLOAD))
+    no_mac = value(0, forged_payload)  # version 1, valid CRC-32
+    guessed_key = encode_block(FP, H[0], "bfloat16", SHAPE, forged_payload,
+                               mac_key=hashlib.sha256(b"guess").digest())
+    zero_mac = _with_tag(genuine, bytes(32))
+    moved = _with_tag(genuine, bytes(genuine)[121:153], chain_hash=H[1])
+    swapped = bytes(genuine)[:153] + forged_payload
+    assert read(bytes(genuine)) == PAYLOAD
+    for forged in (no_mac, bytes(guessed_key), zero_mac, swapped):
+        with pytest.raises(CorruptValue):
+            read(forged)
+    with pytest.raises(CorruptValue, match="MAC mismatch"):
+        read(moved, i=1)
+    with pytest.raises(CorruptValue, match="another model or block"):
+        read(bytes(genuine), i=1)  # moved as it is
+
+
 # -- breaker -----------------------------------------------------------------------------
 
 

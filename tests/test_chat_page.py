@@ -20,7 +20,7 @@ import pytest
 
 from engine import EngineConfig
 from service.config import ServiceConfig
-from tests.servers import apoll, http_get, run_server
+from tests.servers import apoll, http_get, run_server, uvicorn_logs_to
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 COUNT = "Count from 1 to 300, one number per line."
@@ -148,6 +148,58 @@ async def test_chat_page_streams_stops_regenerates_and_warms(server) -> None:
         assert icon == 200
         p.check()
     assert (ARTIFACTS / "chat-page.png").stat().st_size > 10_000
+
+
+def unauthorized_count(server) -> float:  # noqa: ANN001
+    status, body = http_get(server.url + "/metrics")
+    assert status == 200
+    m = re.search(rb'^tidewire_errors_total\{code="unauthorized"\} (\S+)$', body, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def test_the_key_comes_from_the_fragment_and_leaves_the_address_bar(tiny_chat_model,
+                                                                          caplog) -> None:
+    """On a keyed server: /#key=K connects (a fragment never reaches the server) and K
+    is gone from location.href at once; a reload keeps the tab's key (sessionStorage);
+    an old /?key=K2 link works too, leaves the bar with its other parameters kept, and
+    shows in the access log as key=***. A tab without a key is refused. Neither key is
+    in any log line."""
+    key, old_key = "sk-fragment-5b21e9", "sk-query-0c77d3"
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_chat_model), dtype="float32"),
+                           model_name="tiny", api_keys={key: "a", old_key: "b"})
+    with run_server(config, log_level="info") as s, uvicorn_logs_to(caplog.handler):
+        async with browser() as b:
+            async def opened(path: str, state: str = "connected"):  # noqa: ANN202
+                page = await b.new_page(viewport=DESKTOP)  # its own context and storage
+                p = Page(page)
+                await page.goto(s.url + path)
+                await page.wait_for_selector(f"#status[data-conn='{state}']", timeout=30_000)
+                return p, page
+
+            p, page = await opened(f"/#key={key}")
+            assert await page.get_attribute("#status", "data-ready") == "1"
+            assert "tiny" in (await page.text_content("#status") or "")
+            assert await page.evaluate("location.href") == s.url + "/"
+            await page.reload()  # the same tab: the key is still there, still not in the URL
+            await page.wait_for_selector("#status[data-conn='connected']", timeout=30_000)
+            assert await page.evaluate("location.href") == s.url + "/"
+            p.check()
+
+            p, page = await opened(f"/?key={old_key}&x=1#top")
+            assert await page.evaluate("location.href") == s.url + "/?x=1#top"
+            p.check()
+
+            # a new tab, no key: the server refuses its socket (a browser cannot tell
+            # that 403 from a network failure, so the page keeps retrying)
+            refused = unauthorized_count(s)
+            _, page = await opened("/", state="connecting")
+            await apoll(lambda: unauthorized_count(s) > refused, 30, "a refused handshake",
+                        every=0.05)
+            assert await page.get_attribute("#status", "data-ready") is None
+    logged = [r.getMessage() for r in caplog.records if r.name == "uvicorn.access"]
+    assert any('"GET / HTTP/1.1" 200' in line for line in logged), logged
+    assert any('"GET /?key=***&x=1 HTTP/1.1" 200' in line for line in logged), logged
+    assert key not in caplog.text and old_key not in caplog.text
 
 
 def test_favicon_is_served(server) -> None:

@@ -9,6 +9,15 @@ import pytest
 from service.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _tidewire_log_level_restored():
+    """`tidewire serve` sets the `tidewire` loggers' level (--log-level): undo it."""
+    import logging
+
+    yield
+    logging.getLogger("tidewire").setLevel(logging.NOTSET)
+
+
 def test_generate_command_prints_text(smollm2_dir) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "service.cli", "generate", "--model", "smollm2-135m",
@@ -200,20 +209,40 @@ def test_serve_help_does_not_show_api_keys_from_the_environment(monkeypatch, cap
     assert "sk-secret" not in out and "TIDEWIRE_API_KEYS" in out
 
 
+def test_kv_tier_secret_reaches_the_tier_and_is_never_shown(monkeypatch, capsys) -> None:
+    """From the environment (or the flag) into TierConfig.secret, for serve and generate;
+    neither --help nor the config's repr shows it."""
+    from service.cli import build_parser, engine_config
+
+    monkeypatch.setenv("TIDEWIRE_KV_TIER_SECRET", "tw-shared-7f3a")
+    for argv in (["serve"], ["generate", "hi"]):
+        cfg = engine_config(build_parser().parse_args(argv))
+        assert cfg.tier.secret == "tw-shared-7f3a" and "tw-shared-7f3a" not in repr(cfg)
+    flag = engine_config(build_parser().parse_args(["serve", "--kv-tier-secret", "other"]))
+    assert flag.tier.secret == "other"
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    assert "--kv-tier-secret" in out and "TIDEWIRE_KV_TIER_SECRET" in out
+    assert "tw-shared-7f3a" not in out
+    monkeypatch.delenv("TIDEWIRE_KV_TIER_SECRET")
+    assert engine_config(build_parser().parse_args(["serve"])).tier.secret == ""
+
+
 def test_serve_passes_sampling_defaults_and_seed_to_the_service_config(monkeypatch) -> None:
     import service.server
 
     got = {}
 
     class FakeServer:
-        load_error = None
+        failed = False
 
         def run(self, sockets=()) -> None:  # noqa: ANN001
             for sock in sockets:
                 sock.close()
 
-    def fake_build_server(config, host, port):  # noqa: ANN001, ANN202
-        got.update(config=config, host=host, port=port)
+    def fake_build_server(config, host, port, **kw):  # noqa: ANN001, ANN003, ANN202
+        got.update(config=config, host=host, port=port, **kw)
         return FakeServer()
 
     monkeypatch.setattr(service.server, "build_server", fake_build_server)
@@ -226,3 +255,40 @@ def test_serve_passes_sampling_defaults_and_seed_to_the_service_config(monkeypat
     assert cfg.engine.cache.enable_prefix_caching is False and got["switch"] == 0.001
     assert main(["serve", "--port", "0"]) == 0
     assert got["config"].sampling_defaults == "model" and got["config"].engine.seed is None
+    # a dead engine ends `tidewire serve` (tests/test_server.py runs that for real)
+    assert got["exit_on_engine_death"] is True and got["log_level"] == "info"
+
+
+def test_serve_log_level_sets_tidewire_and_uvicorn_levels_not_the_libraries(monkeypatch) -> None:
+    """--log-level reaches uvicorn (warning: no access lines) and the `tidewire` loggers;
+    debug stays Tidewire's own: the root logger, which the websockets library's debug
+    lines (request headers, frames) would reach, stays at info at most."""
+    import logging
+
+    import service.server
+
+    got: dict = {}
+
+    class FakeServer:
+        failed = False
+
+        def run(self, sockets=()) -> None:  # noqa: ANN001
+            for sock in sockets:
+                sock.close()
+
+    def fake_build_server(config, host, port, **kw):  # noqa: ANN001, ANN003, ANN202
+        got.update(kw)
+        return FakeServer()
+
+    monkeypatch.setattr(service.server, "build_server", fake_build_server)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)
+    # (pytest's handlers are on the root logger: record what basicConfig is asked)
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: got.update(root=kw["level"]))
+    monkeypatch.delenv("TIDEWIRE_LOG_LEVEL", raising=False)
+    tidewire = logging.getLogger("tidewire")
+    for level, root in (("warning", logging.WARNING), ("debug", logging.INFO)):
+        assert main(["serve", "--port", "0", "--log-level", level]) == 0
+        assert got["log_level"] == level and got["root"] == root
+        assert tidewire.level == logging.getLevelName(level.upper())
+    monkeypatch.setenv("TIDEWIRE_LOG_LEVEL", "error")
+    assert main(["serve", "--port", "0"]) == 0 and got["log_level"] == "error"

@@ -25,7 +25,7 @@ FLAT_SAMPLE: dict[str, Any] = dict(
     enable_prefix_caching=False, max_num_batched_tokens=64, max_num_seqs=4, watermark=0.05,
     kv_tier="none", redis_url="redis://h:6379/2", kv_tier_memory=1 << 20, kv_tier_ttl=60,
     kv_tier_write_through=True, kv_tier_load_timeout=0.5, kv_tier_io_timeout=0.25,
-    kv_tier_max_pending_writes=16, kv_prefault=False, kv_cache_dtype="int8",
+    kv_tier_max_pending_writes=16, kv_tier_secret="s3cret", kv_prefault=False, kv_cache_dtype="int8",
     speculative="ngram", num_speculative_tokens=6, draft_model="draft", speculative_ngram_min=3,
     speculative_ngram_max=5, speculative_min_acceptance=0.5, speculative_max_batch=4,
     speculative_probe_steps=2, speculative_cooldown=3)

@@ -4,7 +4,9 @@ fault; keys are stable across processes; nothing leaks over 1,000 requests."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import subprocess
@@ -15,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from cache_store import RedisTier
-from cache_store.codec import HEADER_SIZE
+from cache_store import RedisTier, encode_block
+from cache_store.codec import HEADER_SIZE, MAC_HEADER_SIZE
 from engine import LLM, SamplingParams
 from engine.block_manager import hash_block, root_hash
-from engine.kv_io import tier_key
+from engine.kv_io import BlockFormat, tier_key
 from engine.kv_offload import kv_fingerprint
 from tests.conftest import hf_greedy
 
@@ -169,8 +171,8 @@ def test_other_tenant_or_model_misses_same_one_hits(tiny_models, redis_server) -
         assert toks == hf_greedy(other_model, ps, MAX_TOKENS) and host == [0, 0]
 
 
-def _populate(path: Path, url: str, ps: list[list[int]]) -> None:
-    with make_llm(path, kv_tier="redis", redis_url=url) as a:
+def _populate(path: Path, url: str, ps: list[list[int]], **kw) -> None:
+    with make_llm(path, kv_tier="redis", redis_url=url, **kw) as a:
         run(a, ps)
 
 
@@ -244,6 +246,88 @@ def test_corrupt_values_are_misses_and_deleted(tiny_models, redis_server) -> Non
     assert fresh.engine.offload.stats.corrupt == 1 and not r.exists(keys[1])
     for x in (llm, fresh):
         x.close()
+
+
+SECRET = "replicas-share-this"  # --kv-tier-secret in the tests below
+
+
+def _prefix(path: Path, url: str, p: list[int], **kw) -> tuple[list[str], list[bytes], BlockFormat]:
+    """The Redis keys and chain hashes of the prompt's blocks, in order, and the block
+    format an engine with these options reads."""
+    with _redis_only(path, url, **kw) as probe:
+        eng = probe.engine
+        eng.kv.update_hashes(req := eng.make_request(p, SamplingParams()))
+        keys = [tier_key(eng.kv_fingerprint, h) for h in req.block_hashes]
+        return keys, list(req.block_hashes), eng.offload.worker.fmt
+
+
+def test_with_a_secret_forged_or_moved_blocks_are_misses_and_deleted(tiny_models,
+                                                                      redis_server) -> None:
+    """Someone who can write Redis but lacks the secret puts real KV (block 2's) under
+    block 1's key: as a well-formed value with a valid checksum and no MAC, with a MAC
+    of a guessed key, or as block 2's genuine value with its header's chain hash
+    rewritten. Each is refused (block 1 and on recompute, the output stays exact),
+    counted and deleted."""
+    path = tiny_models("llama", 0)
+    ps = prompts(30, n=1)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    _populate(path, redis_server.url, ps, kv_tier_secret=SECRET)
+    r = redis_server.client()
+    keys, hashes, fmt = _prefix(path, redis_server.url, ps[0], kv_tier_secret=SECRET)
+    assert all(r.exists(k) for k in keys[:5])
+    block2 = r.get(keys[2])
+    moved = bytearray(block2)
+    moved[81:113] = hashes[1]  # the header now names block 1; the MAC still covers block 2
+    payload = block2[MAC_HEADER_SIZE:]
+    forgeries = {
+        "no MAC": encode_block(fmt.fingerprint, hashes[1], fmt.dtype_name, fmt.shape, payload),
+        "guessed key": encode_block(fmt.fingerprint, hashes[1], fmt.dtype_name, fmt.shape,
+                                    payload, mac_key=hashlib.sha256(SECRET.encode()).digest()),
+        "moved": moved,
+    }
+    for what, forged in forgeries.items():
+        r.set(keys[1], bytes(forged))
+        with _redis_only(path, redis_server.url, kv_tier_secret=SECRET) as llm:
+            toks, host = run(llm, ps)
+            assert toks == ref and host == [BS], what  # block 0 loaded, block 1 recomputed
+            assert llm.engine.offload.stats.corrupt == 1 and not r.exists(keys[1]), what
+
+
+def test_replicas_sharing_a_secret_hit_another_secret_or_none_misses(tiny_models,
+                                                                     redis_server) -> None:
+    path = tiny_models("llama", 0)
+    ps = prompts(31, n=1) + prompts(32, n=1)  # two unrelated prefixes
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    _populate(path, redis_server.url, ps, kv_tier_secret=SECRET)
+    with _redis_only(path, redis_server.url, kv_tier_secret=SECRET) as same:  # a replica
+        toks, host = run(same, ps[:1])
+        assert toks == ref[:1] and host[0] >= 5 * BS
+        assert same.engine.offload.stats.corrupt == 0
+    # another secret, or none: the values cannot be checked, so they are misses
+    for i, kw in ((1, {"kv_tier_secret": "another secret"}), (0, {})):
+        with _redis_only(path, redis_server.url, **kw) as other:
+            toks, host = run(other, ps[i : i + 1])
+            assert toks == ref[i : i + 1] and host == [0], kw
+            assert other.engine.offload.stats.corrupt == 1, kw
+
+
+def test_redis_without_a_secret_warns_at_start(tiny_models, redis_server, caplog) -> None:
+    """The warning names the flag and what trusting Redis means; the secret itself is
+    never logged."""
+    path = tiny_models("llama", 0)
+    caplog.set_level(logging.INFO)
+    for kw, warns in (({"kv_tier": "redis", "redis_url": redis_server.url}, True),
+                      ({"kv_tier": "redis", "redis_url": redis_server.url,
+                        "kv_tier_secret": SECRET}, False),
+                      ({"kv_tier": "memory"}, False)):
+        caplog.clear()
+        make_llm(path, **kw).close(flush=False)
+        warned = [x for x in caplog.records if x.levelno == logging.WARNING
+                  and x.name == "tidewire.kv_offload" and "--kv-tier-secret" in x.getMessage()]
+        assert len(warned) == warns, kw
+        if warns:
+            assert "trusts whoever can write Redis" in caplog.text
+        assert SECRET not in caplog.text
 
 
 class EvictingTier(RedisTier):

@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine import sampler as sampler_mod
+from engine.sampling_params import MAX_TOP_K
 from engine.sampler import (Sampler, SamplingBatch, apply_min_p, apply_presence_frequency,
                             apply_repetition_penalty, apply_temperature, apply_top_k_top_p,
                             sample_from)
@@ -323,7 +324,7 @@ def test_non_finite_logits_and_top_k_past_the_vocabulary_still_sample() -> None:
     logits[1] = float("nan")
     logits[1, 4] = 1.0
     params = [SamplingParams(temperature=2e-5, seed=1), SamplingParams(temperature=1.0, seed=2),
-              SamplingParams(temperature=1.0, top_k=10**9, seed=3)]
+              SamplingParams(temperature=1.0, top_k=MAX_TOP_K, seed=3)]
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     out = s(logits.clone(), _batch(params, gens))
     assert out.tokens[0] == 7 and out.tokens[1] == 4 and 0 <= out.tokens[2] < vocab

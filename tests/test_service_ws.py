@@ -480,6 +480,8 @@ async def test_queued_frame_when_the_batch_is_full(tiny_models) -> None:
 
 
 async def test_engine_failure_is_internal_error_and_unhealthy(tiny_models) -> None:
+    from engine.llm_engine import MAX_STEP_FAULTS
+
     config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama", 0)), dtype="float32"))
     with run_server(config) as s:
         ws, c = await open_client(s)
@@ -492,14 +494,18 @@ async def test_engine_failure_is_internal_error_and_unhealthy(tiny_models) -> No
             def broken(*args, **kwargs):
                 raise RuntimeError("simulated kernel failure")
 
-            s.engine.runner.execute = broken  # the next step raises on the engine thread
+            s.engine.runner.execute = broken  # every step raises on the engine thread
             msgs = await c.until_done({"ok"})
             err = [m for m in msgs if m["type"] == "error"]
             assert err and err[0]["code"] == "internal_error" and err[0]["retryable"] is True
-            assert "simulated kernel failure" in err[0]["message"]
+            assert "model step (RuntimeError)" in err[0]["message"]  # (no exception text)
             assert msgs[-1]["status"] == "failed" and msgs[-1]["finish_reason"] == "error"
-        from tests.servers import http_get
+            from tests.servers import http_get
 
+            assert http_get(s.url + "/health")[0] == 200  # one failed batch is not a dead engine
+            for i in range(MAX_STEP_FAULTS - 1):  # a model that fails every step is
+                await c.send({"type": "generate", "id": f"f{i}", "prompt_token_ids": [5, 6]})
+                assert (await c.until_done({f"f{i}"}))[-1]["status"] == "failed"
         assert http_get(s.url + "/health")[0] == 503
         ws, c = await open_client(s)
         async with ws:  # new work is refused cleanly, not hung

@@ -1,8 +1,10 @@
-"""An exception in the engine thread mid-step (a fault injected into the model runner of
-a real server): every request in flight fails with `internal_error` (socket: an error
-frame then done{failed}; SSE: an error event; a whole response: HTTP 500), the sockets
-stay open and answer, new requests are refused with `internal_error` at once,
-/health and /ready say 503, and the server still shuts down."""
+"""A model step that raises (a fault injected into the model runner of a real server):
+every request of that batch fails with `internal_error` (socket: an error frame then
+done{failed}; SSE: an error event; a whole response: HTTP 500), the sockets stay open
+and answer, and the replica stays healthy: one bad batch is not a dead engine. Only a
+model that fails MAX_STEP_FAULTS steps in a row is reported dead: /health and /ready
+say 503, new requests are refused with `internal_error` at once, and the server still
+shuts down."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import openai
 from websockets.asyncio.client import connect
 
 from engine import EngineConfig
+from engine.llm_engine import MAX_STEP_FAULTS
 from service.config import ServiceConfig
 from tests.chaos.driver import Stream, check_frame
 from tests.servers import apoll, http_get, run_server
@@ -105,17 +108,26 @@ async def test_an_engine_exception_mid_step_fails_requests_and_reports_unhealthy
             assert st.done is not None and st.done["status"] == "failed", st
             assert st.done["finish_reason"] == "error"
             assert [e["code"] for e in st.errors] == ["internal_error"], st.errors
-            assert "injected" in st.errors[0]["message"]
+            assert "model step (InjectedFault)" in st.errors[0]["message"]
         assert sse_out["end"] == "APIError:internal_error", sse_out
         assert whole_result == "500:internal_error"
-        # unhealthy, not ready
-        status, health = http_get(s.url + "/health")
-        assert status == 503 and json.loads(health)["status"] == "engine_dead"
-        assert http_get(s.url + "/ready")[0] == 503
-        # the sockets stay open: a ping answers, a new request is refused at once
+        # one failed batch: the replica is still healthy
+        assert http_get(s.url + "/health")[0] == 200
+        # the sockets stay open: a ping answers; the model keeps failing, so each new
+        # request fails too, and after MAX_STEP_FAULTS failed steps in a row it is dead
         ws = sockets[0]
         await ws.send(json.dumps({"type": "ping"}))
         assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "pong"
+        for i in range(MAX_STEP_FAULTS - 1):
+            await ws.send(json.dumps({"type": "generate", "id": f"f{i}",
+                                      "prompt_token_ids": [5] * 4, "params": {"max_tokens": 4}}))
+            while (frame := json.loads(await asyncio.wait_for(ws.recv(), 10)))["type"] != "done":
+                pass
+            assert frame["status"] == "failed", frame
+        await apoll(lambda: http_get(s.url + "/health")[0] == 503, 10, "reported dead")
+        status, health = http_get(s.url + "/health")
+        assert status == 503 and json.loads(health)["status"] == "engine_dead"
+        assert http_get(s.url + "/ready")[0] == 503
         await ws.send(json.dumps({"type": "generate", "id": "after", "prompt_token_ids": [5] * 4,
                                   "params": {"max_tokens": 4}}))
         refused = json.loads(await asyncio.wait_for(ws.recv(), 10))
@@ -132,5 +144,6 @@ async def test_an_engine_exception_mid_step_fails_requests_and_reports_unhealthy
         assert s.gateway.inflight_total == 0
         print(f"\nchaos engine fault: {len(streams)} socket streams + 1 SSE + 1 whole, fault "
               f"in step {failed[0]}; all failed with internal_error {1000 * ended:.0f} ms after "
-              f"the fault was armed; /health 503 engine_dead; new requests refused")
+              f"the fault was armed; still healthy; dead after {MAX_STEP_FAULTS} failed steps in a "
+              "row: /health 503 engine_dead, new requests refused")
     # (leaving the block shut the server down: run_server joins its thread)
