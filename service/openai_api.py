@@ -228,10 +228,14 @@ async def _complete(request: Request, chat: bool) -> Response:
                                              response_format=tool_calls.constraint(tools))
             except ValueError as e:
                 raise ProtocolError("invalid_request", str(e)) from None
-        try:  # a constraint compiles (or fails) before the request is admitted
-            await gw.engine.prepare(params)
-        except ValueError as e:
-            raise ProtocolError("invalid_request", str(e)) from None
+        if params.response_format is not None:  # it compiles (or fails) before admission,
+            hold = gw.hold(principal, None, compiling=True)  # counted for its key meanwhile
+            try:
+                await gw.engine.prepare(params)
+            except ValueError as e:
+                raise ProtocolError("invalid_request", str(e)) from None
+            finally:
+                gw.unhold(hold)
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
         table = (gw.engine.byte_table(False)
                  if chat and params.logprobs is not None else None)

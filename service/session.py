@@ -299,15 +299,27 @@ class Session:
         grammar workers) or its prompt is large (tokenized off the loop), once that is
         done: the socket goes on reading meanwhile, and the request is held in flight
         for its key from now on."""
-        try:
-            ready = self.gw.engine.format_ready(g.params)
-        except ValueError as e:
-            raise ProtocolError("invalid_request", str(e), g.id) from None
-        if ready and not self.gw.off_loop(g.prompt, g.messages):
+        constrained = g.params.response_format is not None
+        off_loop = self.gw.off_loop(g.prompt, g.messages)
+        if not constrained and not off_loop:
             self._start(g, cont)
             return
-        hold = self.gw.hold(self.principal, g.id, compiling=not ready)
-        task = asyncio.create_task(self._prepare(g, hold, cont))
+        # held before its compile starts: a key past its compile limit starts none
+        hold = self.gw.hold(self.principal, g.id, compiling=constrained)
+        try:
+            try:
+                ready = self.gw.engine.format_ready(g.params)  # (starts its compile)
+            except ValueError as e:
+                raise ProtocolError("invalid_request", str(e), g.id) from None
+            if ready:
+                self.gw.compiled(hold)
+            if ready and not off_loop:
+                self._start(g, cont, hold=hold)
+                return
+            task = asyncio.create_task(self._prepare(g, hold, cont))
+        except BaseException:
+            self.gw.unhold(hold)  # (a no-op once admitted)
+            raise
         self.preparing[g.id] = task
         task.add_done_callback(partial(self._prepared, g.id))
 
