@@ -13,8 +13,8 @@ import hmac
 import time
 import uuid
 from dataclasses import dataclass, field
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 
 from engine import AsyncEngine, PromptTooLongError, SamplingParams
 from engine.async_engine import RequestStream
@@ -23,6 +23,8 @@ from service.metrics import Metrics
 from service.protocol import AUTH_PREFIX, ProtocolError
 from service.ratelimit import TokenBudget
 from service.resume import ParkedRequests
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -254,12 +256,13 @@ class Gateway:
         """The prompt's token ids, tokenized on the tokenizing thread (a large prompt)
         after a check of its size in bytes against the context window: one that cannot
         fit is refused before any tokenizing."""
-        rid = request_id or ""
         self._check_size(prompt, messages, request_id)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._tokenizing, self._prompt_ids, prompt, messages, rid, generation_prompt,
-            tools, True)
+        return await self.off_the_loop(self._prompt_ids, prompt, messages, request_id or "",
+                                       generation_prompt, tools, True)
+
+    async def off_the_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the tokenizing thread (tokenizer work on a large input)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     def _check_size(self, prompt: str | list[int] | None,
                     messages: list[dict[str, Any]] | None, request_id: str | None) -> None:

@@ -39,7 +39,12 @@ async def tokenize(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         body = await _request(gw, request, TOKENIZE_FIELDS)
-        ids = _tokenize(gw, body)
+        prompt, messages = body.get("prompt"), body.get("messages")
+        big = gw.off_loop(prompt if isinstance(prompt, str) else None,
+                          messages if isinstance(messages, list) and all(
+                              isinstance(m, dict) for m in messages) else None)
+        # a large text is tokenized on the tokenizing thread, off the event loop
+        ids = await gw.off_the_loop(_tokenize, gw, body, True) if big else _tokenize(gw, body)
         strs = None
         if _flag(body, "return_token_strs", False):
             strs = _tokenizer(gw).convert_ids_to_tokens(ids)
@@ -81,10 +86,11 @@ async def _request(gw: Gateway, request: Request, fields: set[str]) -> dict[str,
     return body
 
 
-def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:
+def _tokenize(gw: Gateway, body: dict[str, Any], any_thread: bool = False) -> list[int]:
     """Through the engine, as the endpoints do: a prompt without special tokens (what
     /v1/completions feeds the model), messages through the chat template. With
-    add_special_tokens the tokenizer adds its own (BOS...) around the text, as vLLM."""
+    add_special_tokens the tokenizer adds its own (BOS...) around the text, as vLLM.
+    `any_thread`: only what is safe beside the event loop (LLMEngine.tokenize)."""
     eng = gw.engine
     if ("prompt" in body) == ("messages" in body):
         raise ProtocolError("invalid_request", "send either prompt or messages")
@@ -95,21 +101,29 @@ def _tokenize(gw: Gateway, body: dict[str, Any]) -> list[int]:
             if not isinstance(prompt, str):
                 raise ProtocolError("invalid_request", "prompt must be a string")
             if special:
-                return list(_tokenizer(gw).encode(prompt, add_special_tokens=True))
-            return eng.tokenize(prompt)
+                return _encode_special(gw, prompt, any_thread)
+            return eng.tokenize(prompt, any_thread)
         messages = _inputs(body, chat=True)[1]
         generation = _flag(body, "add_generation_prompt", True)
         if special:  # the rendered conversation, encoded as a prompt is
             text = _tokenizer(gw).apply_chat_template(messages, tokenize=False,
                                                       add_generation_prompt=generation)
-            return list(_tokenizer(gw).encode(text, add_special_tokens=True))
-        return eng.apply_chat_template(messages, generation)
+            return _encode_special(gw, text, any_thread)
+        return eng.apply_chat_template(messages, generation, any_thread=any_thread)
     except ProtocolError:
         raise
     except ValueError as e:
         raise ProtocolError("invalid_request", str(e)) from None
     except Exception as e:  # noqa: BLE001 - a template error is the client's input
         raise ProtocolError("invalid_request", f"cannot apply the chat template: {e}") from None
+
+
+def _encode_special(gw: Gateway, text: str, any_thread: bool) -> list[int]:
+    tok = _tokenizer(gw)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if any_thread and backend is not None:  # (the Rust encode mutates nothing)
+        return list(backend.encode(text, add_special_tokens=True).ids)
+    return list(tok.encode(text, add_special_tokens=True))
 
 
 def _tokenizer(gw: Gateway) -> Any:

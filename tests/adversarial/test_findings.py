@@ -272,3 +272,25 @@ async def test_a_fault_at_any_step_of_admission_answers_and_leaks_nothing(
         await s.alive()
     no_leak(server)
     assert http_get(server.url + "/health")[0] == 200
+
+
+def test_tokenize_endpoint_takes_a_large_text_off_the_loop(server, monkeypatch) -> None:
+    import threading
+    import urllib.request
+
+    eng = server.app.state.engine
+    where, real = [], eng.tokenize
+
+    def tokenize(prompt, any_thread=False):  # noqa: ANN001, ANN202
+        where.append((threading.current_thread().name, any_thread))
+        return real(prompt, any_thread)
+
+    monkeypatch.setattr(eng, "tokenize", tokenize)
+    text = "a few words " * 3000  # 36 KB: over INLINE_PROMPT_BYTES
+    req = urllib.request.Request(server.url + "/tokenize", json.dumps({"prompt": text}).encode(),
+                                 {"Content-Type": "application/json",
+                                  "Authorization": "Bearer key-a"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = json.loads(r.read())
+    assert body["tokens"] == real(text)
+    assert where == [(where[0][0], True)] and where[0][0].startswith("tidewire-tokenize")
