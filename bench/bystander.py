@@ -84,8 +84,9 @@ async def run(a: argparse.Namespace) -> None:
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     t0, t1 = window
-    during = [g for t, g in deltas if t0 <= t <= t1]
-    quiet = [g for t, g in deltas if t < t0 or t > t1]
+    # a gap is "during" when the time between its two deltas overlaps the window
+    during = [g for t, g in deltas if t - g <= t1 and t >= t0]
+    quiet = [g for t, g in deltas if not (t - g <= t1 and t >= t0)]
     for name, gaps in (("quiet", quiet), ("during the hostile prompts", during)):
         print(f"{name}: {len(gaps)} gaps, p50 {1000 * statistics.median(gaps):.1f} ms, "
               f"p99 {1000 * pct(gaps, 0.99):.1f} ms, max {1000 * max(gaps):.1f} ms")

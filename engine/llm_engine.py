@@ -5,6 +5,7 @@ the caller of the offline LLM API)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -100,7 +101,6 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.arch.max_context,
                                  self.arch.max_context)
         self.eos_token_ids = self._eos_ids()
-        self.max_prompt_bytes = self._max_prompt_bytes()
         self.sampling_defaults = self._sampling_defaults()
         cc = config.cache
         self.num_blocks = cc.num_blocks or self._auto_num_blocks()
@@ -216,18 +216,23 @@ class LLMEngine:
             return {}
         return found
 
-    def _max_prompt_bytes(self) -> int | None:
+    @functools.cached_property
+    def max_prompt_bytes(self) -> int | None:
         """The most UTF-8 bytes a prompt that fits the context window can have: the
         window times the longest token's bytes (a longer text needs more tokens than the
-        window holds). None when the tokenizer normalizes its input (a normalizer can
-        shorten text before it is split) or there is none."""
+        window holds). Exact token bytes come from the byte-level table; otherwise a
+        token's own string bounds them. None when the tokenizer normalizes its input (a
+        normalizer can shorten text before it is split) or there is none. (Computed on
+        first use: the byte table is built once, ~80 ms.)"""
         tok = self.tokenizer
         backend = getattr(tok, "backend_tokenizer", None)
         if backend is None or backend.normalizer is not None:
             return None
-        longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab()),
-                      default=0)
-        return self.max_model_len * max(1, longest) if longest else None
+        table = self.byte_table(False)
+        longest = (max(map(len, table), default=0) if table is not None else
+                   max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab()),
+                       default=0))
+        return self.max_model_len * longest if longest else None
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set(self.arch.eos_token_ids)
