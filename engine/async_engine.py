@@ -312,14 +312,14 @@ class AsyncEngine:
     def format_ready(self, params: SamplingParams) -> bool:
         """Whether the request can be added without waiting for a compile: it is
         unconstrained, or its constraint has compiled. Raises ValueError when that
-        compile failed. (Starts the compile when it is not under way.)"""
+        compile failed. (Starts nothing: `prepare` compiles.)"""
         fmt = params.response_format
         if fmt is None:
             return True
         if self.engine.grammars is None:
             raise ValueError("response_format needs a model with a tokenizer")
-        fut = self.engine.grammars.submit(fmt)
-        if not fut.done():
+        fut = self.engine.grammars.peek(fmt)
+        if fut is None or not fut.done() or fut.cancelled():
             return False
         fut.result()
         return True
@@ -328,7 +328,9 @@ class AsyncEngine:
         """Compile the request's response_format on the engine's grammar workers (a
         no-op when it is unconstrained or already compiled), so that a bad constraint
         is refused before the request is added; raises ValueError naming the problem.
-        The engine keeps stepping meanwhile."""
+        The engine keeps stepping meanwhile. A wait that times out or is cancelled (the
+        client left) stops waiting for the compile: one nobody waits for any more is
+        cancelled if it has not started (GrammarCompiler.release)."""
         fmt = params.response_format
         grammars = self.engine.grammars
         if fmt is None:
@@ -342,8 +344,12 @@ class AsyncEngine:
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), grammars.timeout)
         except asyncio.TimeoutError:
+            grammars.release(fmt)
             raise GrammarError(f"the {fmt.kind} constraint took over {grammars.timeout:g}s "
                                "to compile; simplify it") from None
+        except asyncio.CancelledError:
+            grammars.release(fmt)
+            raise
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the engine's next step."""

@@ -459,6 +459,9 @@ class LLMEngine:
             compiling = [r for r in self._compiling if r.parent_id == rid]
             if compiling:
                 self._compiling = [r for r in self._compiling if r.parent_id != rid]
+                fmt = compiling[0].params.response_format
+                if self.grammars is not None and fmt is not None:  # (make_request's waiter)
+                    self.grammars.release(fmt)
             for r in self.scheduler.finish_requests(kids, status) + compiling + waiting:
                 r.status = status
                 try:

@@ -8,7 +8,9 @@ text (and the compiler belongs to one tokenizer). Each constrained sample then g
 matcher: before each sampling step it fills the row's bitmask of allowed tokens, which
 the sampler applies before anything else touches the logits; after the step it accepts
 the sampled token. A matcher that has accepted a stop token (EOS) is terminated and the
-request ends ("stop"), with ignore_eos too.
+request ends ("stop"), with ignore_eos too. JSON outputs are bounded so that each ends:
+integers to int64 unless the schema says otherwise, strings and numbers to a length
+(engine/json_bounds.py).
 
 Why xgrammar: it is what vLLM and SGLang use, its CPU wheels need nothing but torch, and
 measured here (SmolLM2's 49k vocabulary, 2-core CPU) a JSON-schema mask costs a few
@@ -26,11 +28,18 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from engine.json_bounds import (JsonGuard, JsonLimits, VocabTables, check_depth, check_grammar,
+                                check_regex, check_schema, limits_for, with_int64_bounds)
+
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256 * 1024  # a schema, regex or grammar longer than this is refused
 MAX_CHOICES = 1024
 COMPILE_TIMEOUT = 30.0  # seconds a request waits for its constraint to compile
 _CACHE_ENTRIES = 512
+# Compiled grammars kept, by xgrammar's own measure (memory_size_bytes): from a few kB
+# (a regex) to a few MB (a schema with long maxLength strings), so some hundreds to
+# tens of thousands of constraints.
+CACHE_BYTES = 256 * 1024 * 1024
 
 
 class GrammarError(ValueError):
@@ -98,12 +107,12 @@ class ResponseFormat:
         text = value.get(kind)
         if not isinstance(text, str) or not text:
             raise ValueError(f"response_format.{kind} must be a non-empty string")
+        text = _bounded(text)
         if kind == "regex":
-            try:  # the common mistakes, named before any compile (xgrammar checks the rest)
-                re.compile(text)
-            except re.error as e:
-                raise ValueError(f"invalid regex: {e}") from None
-        return ResponseFormat(kind, _bounded(text))
+            check_regex(text)
+        else:
+            check_grammar(text)
+        return ResponseFormat(kind, text)
 
     def to_dict(self) -> dict[str, Any]:
         """Back to the wire shape (what `parse` takes)."""
@@ -146,6 +155,7 @@ def _bounded(text: str) -> str:
 
 def _canonical(schema: Any) -> str:
     # keys keep their order: a schema's property order is the order the output follows
+    check_depth(schema, "the JSON schema")  # (before json.dumps, which recurses)
     return _bounded(json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
 
@@ -155,53 +165,12 @@ def _schema_text(schema: Any) -> str:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ValueError("the JSON schema nests too deep to read") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError("a JSON schema must be an object")
     check_schema(schema)
     return _canonical(schema)
-
-
-# Keywords xgrammar accepts but does not enforce (checked: an output that breaks them
-# passes its matcher). A schema using one is refused rather than silently loosened.
-UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "dependentRequired",
-              "dependentSchemas", "dependencies")
-_SUBSCHEMA = ("additionalProperties", "items", "contains", "propertyNames",
-              "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-
-
-def check_schema(schema: Any, where: str = "#") -> None:
-    """Raise ValueError for a part of the schema that the constraint would not enforce:
-    an UNENFORCED keyword, allOf over several schemas, or a $ref outside the schema."""
-    if not isinstance(schema, dict):
-        return
-    for key in UNENFORCED:
-        if key in schema:
-            raise ValueError(f'invalid JSON schema: "{key}" (at {where}) is not supported: '
-                             "the output could not be held to it")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise ValueError(f'invalid JSON schema: "allOf" over several schemas (at {where}) is '
-                         "not supported: merge them into one")
-    ref = schema.get("$ref")
-    if ref is not None and not (isinstance(ref, str) and ref.startswith("#")):
-        raise ValueError(f"invalid JSON schema: $ref {ref!r} (at {where}) is not supported: "
-                         "only references inside the schema (#/...)")
-    for key in _SUBSCHEMA:
-        check_schema(schema.get(key), f"{where}/{key}")
-    for key in _SUBSCHEMA_MAPS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            for name, s in sub.items():
-                check_schema(s, f"{where}/{key}/{name}")
-    for key in _SUBSCHEMA_LISTS:
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, s in enumerate(sub):
-                check_schema(s, f"{where}/{key}/{i}")
-    if isinstance(schema.get("items"), list):  # the old tuple form
-        for i, s in enumerate(schema["items"]):
-            check_schema(s, f"{where}/items/{i}")
 
 
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[12:00:00] /path/file.cc:83: "
@@ -212,39 +181,100 @@ def _message(e: BaseException) -> str:
     return _XGR_PREFIX.sub("", text)
 
 
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled constraint: xgrammar's CompiledGrammar and, for JSON, the lengths its
+    strings and numbers are held to (JsonGuard)."""
+
+    grammar: Any
+    limits: JsonLimits | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.grammar.memory_size_bytes)
+
+
+@dataclass
+class _Entry:
+    future: Future[Compiled]
+    nbytes: int = 0  # once compiled
+    waiters: int = 0  # submits not yet released, while the compile is pending
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer on worker threads, caching the results.
-    Thread-safe: `submit` is called from the event loop and the engine thread."""
+    """Compiles constraints for one tokenizer on worker threads, caching the results
+    (least recently used out past _CACHE_ENTRIES constraints or `cache_bytes` of
+    compiled grammars). Thread-safe: `submit` and `release` are called from the event
+    loop and the engine thread.
+
+    A compile that no one waits for any more is cancelled if it has not started
+    (`release`); one already running in xgrammar cannot be interrupted: it runs to its
+    end on its worker and its result is cached."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: frozenset[int],
-                 timeout: float = COMPILE_TIMEOUT) -> None:
+                 timeout: float = COMPILE_TIMEOUT, cache_bytes: int = CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.timeout = timeout
+        self.cache_bytes = cache_bytes
         self._lock = threading.Lock()
-        self._cache: OrderedDict[ResponseFormat, Future[Any]] = OrderedDict()
+        self._cache: OrderedDict[ResponseFormat, _Entry] = OrderedDict()
+        self._cached_bytes = 0  # of the compiled entries in _cache
         # two workers: one pathological compile (cut off by the timeout, but not
         # interruptible) does not hold up every other request's
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="tidewire-grammar")
         self._xgr: Any = None  # the xgrammar compiler, built by the first compile
+        self._tables: VocabTables | None = None  # the JSON guard's, built with it
+        # (its own lock: building them takes ~0.5 s, which `submit` must not wait out)
+        self._init_lock = threading.Lock()
 
-    def submit(self, fmt: ResponseFormat) -> Future[Any]:
+    def submit(self, fmt: ResponseFormat) -> Future[Compiled]:
         """The compiled constraint, or its compile under way. A failed compile raises
-        GrammarError from the future (and is not cached)."""
+        GrammarError from the future (and is not cached). While the compile is pending
+        each call counts as one waiter, until it calls `release(fmt)`."""
         with self._lock:
-            fut = self._cache.get(fmt)
-            if fut is not None:
+            entry = self._cache.get(fmt)
+            new = entry is None
+            if entry is None:
+                entry = self._cache[fmt] = _Entry(self._pool.submit(self._compile, fmt))
+            else:
                 self._cache.move_to_end(fmt)
-                return fut
-            fut = self._pool.submit(self._compile, fmt)
-            self._cache[fmt] = fut
-            while len(self._cache) > _CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        fut.add_done_callback(partial(self._forget, fmt))
-        return fut
+            if not entry.future.done():
+                entry.waiters += 1
+            self._evict()
+        if new:  # (outside the lock: a future already done runs it here and now)
+            entry.future.add_done_callback(partial(self._landed, fmt))
+        return entry.future
 
-    def compile(self, fmt: ResponseFormat) -> Any:
+    def peek(self, fmt: ResponseFormat) -> Future[Compiled] | None:
+        """The constraint's compile if it is cached or under way (None: never submitted,
+        or evicted), without starting one or counting a waiter."""
+        with self._lock:
+            entry = self._cache.get(fmt)
+            return None if entry is None else entry.future
+
+    def release(self, fmt: ResponseFormat) -> None:
+        """One caller of `submit(fmt)` no longer waits for its compile (its request was
+        aborted, its client left, its wait timed out). When no waiter is left and the
+        compile has not started, it is cancelled and leaves the cache; a running or
+        finished compile is left alone. Pair each submit with at most one release."""
+        with self._lock:
+            entry = self._cache.get(fmt)
+            if entry is None or entry.future.done():
+                return
+            entry.waiters = max(entry.waiters - 1, 0)
+            if entry.waiters:
+                return
+        entry.future.cancel()  # (outside the lock: it runs _landed, which takes it)
+
+    @property
+    def cached_bytes(self) -> int:
+        """The memory the cached compiled grammars hold (xgrammar's measure)."""
+        with self._lock:
+            return self._cached_bytes
+
+    def compile(self, fmt: ResponseFormat) -> Compiled:
         """submit() and wait, up to the timeout (GrammarError past it)."""
         fut = self.submit(fmt)
         try:
@@ -253,73 +283,107 @@ class GrammarCompiler:
             raise GrammarError(f"the {fmt.kind} constraint took over {self.timeout:g}s to "
                                "compile; simplify it") from None
 
-    def _forget(self, fmt: ResponseFormat, fut: Future[Any]) -> None:
-        """A failed (or cancelled) compile leaves the cache: the next request retries."""
-        if not fut.cancelled() and fut.exception() is None:
-            return
+    def _landed(self, fmt: ResponseFormat, fut: Future[Compiled]) -> None:
+        """A compile ended: a failed (or cancelled) one leaves the cache, so the next
+        request retries; a compiled one counts its bytes, evicting others past the
+        budget."""
+        failed = fut.cancelled() or fut.exception() is not None
         with self._lock:
-            if self._cache.get(fmt) is fut:
+            entry = self._cache.get(fmt)
+            if entry is None or entry.future is not fut:
+                return
+            if failed:
                 del self._cache[fmt]
+                return
+            entry.nbytes, entry.waiters = fut.result().nbytes, 0
+            self._cached_bytes += entry.nbytes
+            self._evict()
+
+    def _evict(self) -> None:
+        """(lock held) Least recently used out, past either bound."""
+        while self._cache and (len(self._cache) > _CACHE_ENTRIES
+                               or self._cached_bytes > self.cache_bytes):
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.nbytes
 
     def _compiler(self) -> Any:
-        with self._lock:
+        with self._init_lock:
             if self._xgr is None:
                 import xgrammar as xgr
 
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer,
                                                           vocab_size=self.vocab_size,
                                                           stop_token_ids=self.stop_token_ids)
-                self._xgr = xgr.GrammarCompiler(info, max_threads=1)
+                # no cache of xgrammar's own: it would keep every grammar this one evicts
+                self._tables = VocabTables(
+                    info.decoded_vocab, {*info.special_token_ids, *self.stop_token_ids})
+                self._xgr = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._xgr
 
-    def _compile(self, fmt: ResponseFormat) -> Any:
+    def _compile(self, fmt: ResponseFormat) -> Compiled:
         c = self._compiler()
         try:
-            if fmt.kind == "json_schema":
+            if fmt.kind in ("json_schema", "json_object"):
+                schema = json.loads(fmt.spec) if fmt.kind == "json_schema" else {"type": "object"}
                 # compact JSON (no free whitespace): a sampled model cannot wander into
                 # unbounded runs of spaces and newlines before max_tokens
-                return c.compile_json_schema(fmt.spec, any_whitespace=False)
-            if fmt.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return Compiled(c.compile_json_schema(json.dumps(with_int64_bounds(schema)),
+                                                      any_whitespace=False), limits_for(schema))
             if fmt.kind == "regex":
-                return c.compile_regex(fmt.spec)
+                return Compiled(c.compile_regex(fmt.spec))
             if fmt.kind == "choice":
-                return c.compile_grammar("root ::= " + " | ".join(
-                    json.dumps(s, ensure_ascii=False) for s in json.loads(fmt.spec)))
-            return c.compile_grammar(fmt.spec)
+                return Compiled(c.compile_grammar("root ::= " + " | ".join(
+                    json.dumps(s, ensure_ascii=False) for s in json.loads(fmt.spec))))
+            return Compiled(c.compile_grammar(fmt.spec))
         except Exception as e:  # xgrammar raises RuntimeError (and others) on bad input
             what = {"json_schema": "JSON schema", "grammar": "grammar (EBNF)"}.get(fmt.kind,
                                                                                   fmt.kind)
             raise GrammarError(f"invalid {what}: {_message(e)}") from None
 
-    def matcher(self, compiled: Any) -> Matcher:
-        return Matcher(compiled, self.stop_token_ids)
+    def matcher(self, compiled: Compiled) -> Matcher:
+        guard = (JsonGuard(self._tables, compiled.limits)
+                 if compiled.limits is not None and self._tables is not None else None)
+        return Matcher(compiled.grammar, self.stop_token_ids, guard)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class Matcher:
-    """One sample's position in its constraint's automaton."""
+    """One sample's position in its constraint's automaton (and, for JSON, in the
+    lengths of its strings and numbers: JsonGuard)."""
 
-    __slots__ = ("_m", "stop_token")
+    __slots__ = ("_m", "_guard", "stop_token")
 
-    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+    def __init__(self, grammar: Any, stop_token_ids: list[int],
+                 guard: JsonGuard | None = None) -> None:
         import xgrammar as xgr
 
-        self._m = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        self._m = xgr.GrammarMatcher(grammar, override_stop_tokens=stop_token_ids)
+        self._guard = guard
         self.stop_token = stop_token_ids[0] if stop_token_ids else 0
 
     def fill(self, bitmask: Any, row: int) -> None:
         """Row `row` of the [rows, words] int32 bitmask: the tokens allowed next."""
         self._m.fill_next_token_bitmask(bitmask, row)
+        if self._guard is not None:
+            self._guard.restrict(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        return bool(self._m.accept_token(token_id))
+        """Advance by the token; False (nothing changes) when the constraint refuses it."""
+        if self._guard is not None and not self._guard.allows(token_id):
+            return False
+        if not self._m.accept_token(token_id):
+            return False
+        if self._guard is not None:
+            self._guard.advance(token_id)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative proposals)."""
         self._m.rollback(num_tokens)
+        if self._guard is not None:
+            self._guard.rollback(num_tokens)
 
     @property
     def terminated(self) -> bool:

@@ -26,9 +26,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine.json_bounds import MAX_SCHEMA_DEPTH, json_depth
 from service.protocol import ProtocolError
 
 MAX_TOOLS = 128
+# A function's parameters schema, as canonical JSON: a large API's stays well under it,
+# and 128 of them stay within what a request body carries
+MAX_PARAMETERS_BYTES = 64 * 1024
+# the constraint for "required" puts a call's parameters 5 levels under its root
+# (array, items, anyOf, call object, properties: constraint()): the schema bound, less those
+MAX_PARAMETERS_DEPTH = MAX_SCHEMA_DEPTH - 5
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -66,10 +73,7 @@ def parse(body: dict[str, Any]) -> Tools | None:
         if not _NAME.match(fn["name"]):
             raise ProtocolError("invalid_request", f"tools[{i}].function.name must be 1-64 "
                                 "letters, digits, '_', '.' or '-'")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(params, dict):
-            raise ProtocolError("invalid_request", f"tools[{i}].function.parameters must be a "
-                                "JSON schema object")
+        params = _parameters(fn, i)
         desc = fn.get("description", "")
         if not isinstance(desc, str):
             raise ProtocolError("invalid_request", f"tools[{i}].function.description must be "
@@ -93,6 +97,22 @@ def parse(body: dict[str, Any]) -> Tools | None:
         raise ProtocolError("invalid_request", f"tool_choice names {fn['name']!r}, which is "
                             "not in tools")
     return Tools(tuple(functions), "function", fn["name"], parallel)
+
+
+def _parameters(fn: dict[str, Any], i: int) -> dict[str, Any]:
+    params = fn.get("parameters", {"type": "object", "properties": {}})
+    where = f"tools[{i}].function.parameters"
+    if not isinstance(params, dict):
+        raise ProtocolError("invalid_request", f"{where} must be a JSON schema object")
+    depth = json_depth(params, MAX_PARAMETERS_DEPTH)  # (before json.dumps, which recurses)
+    if depth > MAX_PARAMETERS_DEPTH:
+        raise ProtocolError("invalid_request", f"{where} is nested more than "
+                            f"{MAX_PARAMETERS_DEPTH} levels deep (objects and arrays)")
+    size = len(json.dumps(params, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > MAX_PARAMETERS_BYTES:
+        raise ProtocolError("invalid_request", f"{where} is {size} bytes as JSON (the most "
+                            f"is {MAX_PARAMETERS_BYTES})")
+    return params
 
 
 def constraint(t: Tools) -> dict[str, Any] | None:

@@ -104,6 +104,37 @@ def test_tool_parameters_are_checked() -> None:
             tc.parse(body)
 
 
+def _tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def test_tools_are_bounded_in_number_size_and_nesting() -> None:
+    """Each bound is named with its field: 128 tools, 64 KiB of parameters schema as
+    canonical JSON, nesting that leaves the "required" constraint within the engine's
+    schema depth (its call array adds 5 levels)."""
+    many = [_tool(f"f{i}", WEATHER) for i in range(tc.MAX_TOOLS + 1)]
+    assert tc.parse({"tools": many[:-1]}) is not None
+    with pytest.raises(ProtocolError, match="tools must be a list of 1-128 tools"):
+        tc.parse({"tools": many})
+    big = {"type": "object", "description": "d" * tc.MAX_PARAMETERS_BYTES}
+    with pytest.raises(ProtocolError, match=r"tools\[1\]\.function\.parameters is 655\d\d bytes "
+                                            r"as JSON \(the most is 65536\)"):
+        tc.parse({"tools": [TOOLS[0], _tool("big", big)]})
+    deep: dict = {"type": "integer"}
+    for _ in range(tc.MAX_PARAMETERS_DEPTH - 1):
+        deep = {"type": "array", "items": deep}
+    required = tc.parse({"tools": [_tool("deep", deep)], "tool_choice": "required"})
+    assert required is not None
+    from engine.structured import ResponseFormat  # the constraint built from it is within
+
+    assert ResponseFormat.parse(tc.constraint(required)) is not None
+    for _ in range(10_000):  # (a depth json.dumps could not walk)
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ProtocolError, match=r"tools\[0\]\.function\.parameters is nested more "
+                                            r"than 59 levels deep"):
+        tc.parse({"tools": [_tool("deep", deep)]})
+
+
 def test_history_with_calls_renders_as_text_for_a_template_without_tools() -> None:
     msgs = tc.check_messages(ASK + [
         {"role": "assistant", "content": None, "tool_calls": [

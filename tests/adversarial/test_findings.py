@@ -17,7 +17,7 @@ from service.config import Limits, ServiceConfig
 from tests.servers import http_get, run_server
 
 JSON = "tidewire.v1.json"
-KEYS = {"key-a": "a", "key-b": "b"}
+KEYS = {"key-a": "a", "key-b": "b", "key-c": "c"}
 
 
 @pytest.fixture(scope="module")
@@ -294,3 +294,61 @@ def test_tokenize_endpoint_takes_a_large_text_off_the_loop(server, monkeypatch) 
         body = json.loads(r.read())
     assert body["tokens"] == real(text)
     assert where == [(where[0][0], True)] and where[0][0].startswith("tidewire-tokenize")
+
+
+async def test_a_compile_nobody_waits_for_any_more_is_cancelled(server, monkeypatch) -> None:
+    """Two workers busy with slow compiles and a third queued behind them: when its
+    socket closes, the queued compile is cancelled, never run (a running one cannot be
+    interrupted, and finishes)."""
+    import threading
+
+    grammars = server.app.state.engine.engine.grammars
+    gate, started = threading.Event(), []
+    real = grammars._compile
+
+    def slow(fmt):  # noqa: ANN001, ANN202
+        started.append(fmt.spec)
+        gate.wait(30)
+        return real(fmt)
+
+    monkeypatch.setattr(grammars, "_compile", slow)
+
+    def choice(tag: str) -> dict:
+        return {"type": "choice", "choice": [f"{tag}-yes", f"{tag}-no"]}
+
+    try:
+        sockets = [await open_socket(server, key) for key in ("key-a", "key-b")]
+        (ws_a, a), (ws_b, b) = sockets
+        await a.send(gen("r1", max_tokens=2, response_format=choice("one")))
+        await b.send(gen("r2", max_tokens=2, response_format=choice("two")))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while len(started) < 2:  # both workers are busy
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
+        ws_c, c = await open_socket(server, "key-c")
+        await c.send(gen("r3", max_tokens=2, response_format=choice("three")))
+        from engine.structured import ResponseFormat
+
+        fmt = ResponseFormat.parse(choice("three"))
+        while grammars.peek(fmt) is None:
+            assert loop.time() < deadline
+            await asyncio.sleep(0.01)
+        queued = grammars.peek(fmt)
+        await ws_c.close()  # its client left: nobody waits for the third compile
+        while not queued.cancelled():
+            assert loop.time() < deadline, "the queued compile was not cancelled"
+            await asyncio.sleep(0.01)
+        gate.set()
+        for ws, _ in sockets:
+            await ws.close()
+        assert len(started) == 2  # the cancelled one never ran
+    finally:
+        gate.set()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while server.gateway.inflight_by_key or server.gateway.compiling_by_key:
+        assert loop.time() < deadline, (server.gateway.inflight_by_key,
+                                        server.gateway.compiling_by_key)
+        await asyncio.sleep(0.01)
+    no_leak(server)
