@@ -44,11 +44,12 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 test: install
 	TIDEWIRE_SOAK_BACKGROUND=180 $(VPY) -m pytest -rs --durations=15
 
-# the fuzzers at full length: 10,000 socket frames (hypothesis, stateful), and 300
+# the fuzzers at full length: 10,000 socket frames (hypothesis, stateful), 2,000 hostile
+# values per protocol (tests/adversarial), and 300
 # schemathesis examples per HTTP operation and mode (make test runs short forms)
 fuzz: install
-	TIDEWIRE_WS_FUZZ_FRAMES=10000 TIDEWIRE_FUZZ_EXAMPLES=300 \
-		$(VPY) -m pytest -rs -s tests/test_ws_fuzz.py tests/test_openapi.py
+	TIDEWIRE_WS_FUZZ_FRAMES=10000 TIDEWIRE_FUZZ_EXAMPLES=300 TIDEWIRE_ADVERSARIAL_FRAMES=2000 \
+		$(VPY) -m pytest -rs -s tests/test_ws_fuzz.py tests/test_openapi.py tests/adversarial
 
 # speculative decoding at full length: the chi-square test of sampled output over 20,000
 # draws per run (make test runs 4,000)

@@ -324,6 +324,13 @@ class AsyncEngine:
         fut.result()
         return True
 
+    def format_started(self, params: SamplingParams) -> bool:
+        """Whether the request's constraint is compiled or compiling already (a request
+        that waits for it starts no compile of its own)."""
+        fmt, grammars = params.response_format, self.engine.grammars
+        fut = grammars.peek(fmt) if fmt is not None and grammars is not None else None
+        return fut is not None and not fut.cancelled()
+
     async def prepare(self, params: SamplingParams) -> None:
         """Compile the request's response_format on the engine's grammar workers (a
         no-op when it is unconstrained or already compiled), so that a bad constraint
@@ -349,6 +356,10 @@ class AsyncEngine:
                                "to compile; simplify it") from None
         except asyncio.CancelledError:
             grammars.release(fmt)
+            task = asyncio.current_task()
+            if fut.cancelled() and not (task is not None and task.cancelling()):
+                raise GrammarError(f"the {fmt.kind} constraint's compile was cancelled; "
+                                   "send the request again") from None
             raise
 
     def abort(self, request_id: str) -> None:

@@ -250,8 +250,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send prompt_token_ids")
             backend = getattr(self.tokenizer, "backend_tokenizer", None)
-            if any_thread and backend is not None:
-                return backend.encode(prompt, add_special_tokens=False).ids
+            if any_thread and backend is not None:  # (encode_batch releases the GIL)
+                return backend.encode_batch([prompt], add_special_tokens=False)[0].ids
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         ids = list(prompt)
         if not all(isinstance(t, int) and 0 <= t < self.arch.vocab_size for t in ids):
@@ -413,13 +413,15 @@ class LLMEngine:
         for req in self._compiling:
             if not req.grammar.done():
                 still.append(req)
-            elif req.grammar.exception() is None:
+            elif not req.grammar.cancelled() and req.grammar.exception() is None:
                 try:
                     outs += self._schedule(req)
                 except Exception as e:  # noqa: BLE001 - this request's matcher only
                     outs += self.fail(req.parent_id, request_fault("starting", e), also=[req])
             else:
-                log.warning("request %s: %s", req.parent_id, req.grammar.exception())
+                why = ("its compile was cancelled" if req.grammar.cancelled()
+                       else req.grammar.exception())
+                log.warning("request %s: %s", req.parent_id, why)
                 outs += self.abort([req.parent_id], RequestStatus.FINISHED_ERROR)
         self._compiling = still
         return outs
@@ -481,7 +483,8 @@ class LLMEngine:
         nowhere else (the one whose work raised); `samples`: the number of samples it has,
         when it may not have been registered yet. Returns one finished output per sample
         that had not finished."""
-        for k in [*self._children.get(request_id, ()), *(r.request_id for r in also)]:
+        kids = [*self._children.get(request_id, ()), *(r.request_id for r in also)]
+        for k in kids:
             if k in self._detoks:  # its text ends here: nothing more to decode (nor to fail)
                 self._detoks[k] = None
         outs = self.abort([request_id], RequestStatus.FINISHED_ERROR)
@@ -496,6 +499,8 @@ class LLMEngine:
             ended.add(r.index)
         outs += [self._ended(request_id, i) for i in range(samples) if i not in ended]
         self._children.pop(request_id, None)
+        for k in kids:
+            self._detoks.pop(k, None)
         for o in outs:
             o.error = error
         return outs
@@ -589,6 +594,8 @@ class LLMEngine:
                 for r in self.scheduler.running:
                     r.spec_token_ids, r.spec_probs = [], None
         sched = self.scheduler.schedule()
+        for req, e in sched.failed:  # its own admission raised: it alone fails
+            failed += self.fail(req.parent_id, request_fault("scheduling", e), also=[req])
         if offload is not None:
             offload.capture()  # blocks evicted by this schedule, before the model reuses them
             if offload.captured:  # their host copies start once the forward is under way
@@ -624,7 +631,8 @@ class LLMEngine:
                 try:
                     self._advance_matcher(r)
                 except Exception as e:  # noqa: BLE001 - this request's constraint only
-                    failed += self.fail(r.parent_id, request_fault("advancing the constraint of", e))
+                    failed += self.fail(r.parent_id, request_fault("advancing the constraint of", e),
+                                        also=[r])
         lps = sampled.logprobs or {}
         verified = sampled.verified or {}
         vlps = sampled.verified_logprobs or {}
@@ -652,12 +660,13 @@ class LLMEngine:
             for r in touched:
                 siblings = self._siblings.pop(r.request_id, None)
                 if siblings:  # the prompt is computed and cached: the other samples may start
-                    for sib in siblings:
+                    for i, sib in enumerate(siblings):
                         try:
                             self._schedule(sib)
                         except Exception as e:  # noqa: BLE001 - this request only
                             self._late += self.fail(sib.parent_id, request_fault("starting", e),
-                                                    also=[sib])
+                                                    also=siblings[i:])
+                            break
         if self.config.debug:
             self.kv.check_integrity()
         return outs

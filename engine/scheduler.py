@@ -42,6 +42,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # requests whose own admission raised (their prefix lookup, their tier load): taken
+    # out of the scheduler, their blocks freed; the engine fails them alone
+    failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -189,29 +192,54 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits, num_cached = self.kv.get_computed_blocks(req)
-            if self.tier is not None and not req.tier_checked:
-                req.tier_checked = True
-                if self.tier.start(req, len(hits)):  # the rest of the batch keeps going
-                    self.waiting.popleft()
-                    req.status = RequestStatus.LOADING
-                    self.loading[req.request_id] = req
-                    continue
-            n = min(req.num_tokens - num_cached, budget)
-            # The watermark keeps room for running requests to grow; with none running
-            # it would only stop a request that fits from ever starting.
-            reserve = self._watermark if self.running else 0
-            if not self.kv.allocate_slots(req, n, hits, reserve):
+            try:
+                n = self._admit_waiting(req, out, budget)
+            except Exception as e:  # noqa: BLE001 - this request's admission: it alone ends
+                self._drop(req)
+                out.failed.append((req, e))
+                continue
+            if n is None:  # no room for it
                 break
-            self.waiting.popleft()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-                req.first_scheduled_time = time.monotonic()
-            req.num_computed_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
             budget -= n
+
+    def _admit_waiting(self, req: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit the first waiting request: the tokens it runs this step (0: its prefix
+        is loading from the host tier), or None when the pool has no room for it."""
+        hits, num_cached = self.kv.get_computed_blocks(req)
+        if self.tier is not None and not req.tier_checked:
+            req.tier_checked = True
+            if self.tier.start(req, len(hits)):  # the rest of the batch keeps going
+                self.waiting.popleft()
+                req.status = RequestStatus.LOADING
+                self.loading[req.request_id] = req
+                return 0
+        n = min(req.num_tokens - num_cached, budget)
+        # The watermark keeps room for running requests to grow; with none running
+        # it would only stop a request that fits from ever starting.
+        reserve = self._watermark if self.running else 0
+        if not self.kv.allocate_slots(req, n, hits, reserve):
+            return None
+        self.waiting.popleft()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_cached
+            req.first_scheduled_time = time.monotonic()
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest(req, n, self.kv.block_ids(req.request_id)))
+        return n
+
+    def _drop(self, req: Request) -> None:
+        """Take a request whose admission failed out of every queue, its blocks freed."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if self.loading.pop(req.request_id, None) is not None and self.tier is not None:
+            self.tier.cancel(req)
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        req.status = RequestStatus.FINISHED_ERROR
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
                verified: dict[str, list[int]] | None = None) -> list[Request]:
@@ -238,7 +266,10 @@ class Scheduler:
             if req.status is not running:
                 continue  # aborted while the step ran
             if s.num_spec:
-                self._advance_verified(s, (verified or {})[req.request_id])
+                tokens = (verified or {}).get(req.request_id)
+                if tokens is None:  # its verification failed: the engine fails it
+                    continue
+                self._advance_verified(s, tokens)
                 touched.append(req)
                 if req.status.finished:
                     finishing.append(req)

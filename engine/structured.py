@@ -264,8 +264,11 @@ class GrammarCompiler:
             if entry is None or entry.future.done():
                 return
             entry.waiters = max(entry.waiters - 1, 0)
-            if entry.waiters:
+            if entry.waiters or entry.future.running():
                 return
+            # out of the cache first: a submit from now on starts a fresh compile rather
+            # than joining one about to be cancelled
+            del self._cache[fmt]
         entry.future.cancel()  # (outside the lock: it runs _landed, which takes it)
 
     @property
@@ -301,10 +304,13 @@ class GrammarCompiler:
 
     def _evict(self) -> None:
         """(lock held) Least recently used out, past either bound."""
-        while self._cache and (len(self._cache) > _CACHE_ENTRIES
-                               or self._cached_bytes > self.cache_bytes):
-            _, old = self._cache.popitem(last=False)
+        over = (len(self._cache) - _CACHE_ENTRIES, self._cached_bytes - self.cache_bytes)
+        for fmt in [f for f, e in self._cache.items() if e.future.done()]:  # LRU first
+            if over[0] <= 0 and over[1] <= 0:
+                break
+            old = self._cache.pop(fmt)  # (a pending compile stays: its waiters hold it)
             self._cached_bytes -= old.nbytes
+            over = (over[0] - 1, over[1] - old.nbytes)
 
     def _compiler(self) -> Any:
         with self._init_lock:

@@ -229,7 +229,8 @@ async def _complete(request: Request, chat: bool) -> Response:
             except ValueError as e:
                 raise ProtocolError("invalid_request", str(e)) from None
         if params.response_format is not None:  # it compiles (or fails) before admission,
-            hold = gw.hold(principal, None, compiling=True)  # counted for its key meanwhile
+            hold = gw.hold(principal, None,  # counted for its key meanwhile
+                           compiling=not gw.engine.format_started(params))
             try:
                 await gw.engine.prepare(params)
             except ValueError as e:
@@ -307,10 +308,11 @@ async def _submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
         for i, prompt in enumerate(prompts):
             adm = gw.submit(principal, params, None, prompt, messages, tools=template_tools,
                             prompt_ids=ids[i])
+            job = _Job(adm, i * params.n, None, params.logprobs is not None)
+            jobs.append(job)  # (ended with the others from here on, whatever comes next)
             gw.http_inflight.add(adm)
-            jobs.append(_Job(adm, i * params.n,
-                             _echo_text(gw, adm, prompt) if echo else None,  # type: ignore[arg-type]
-                             params.logprobs is not None))
+            if echo:
+                job.echo = _echo_text(gw, adm, prompt)  # type: ignore[arg-type]
     except BaseException:  # a refusal, or a fault of ours: nothing admitted may leak
         _end(gw, jobs)
         raise

@@ -22,7 +22,9 @@ ERROR_CODES = frozenset({
 RETRYABLE = frozenset({"too_many_inflight", "overloaded", "slow_consumer", "internal_error",
                        "rate_limited"})
 MAX_ID_LEN = 128
-MAX_DEPTH = 32  # nesting of a client message's maps and lists (JSON schemas included)
+# nesting of a client message's maps and lists: room for a JSON schema at its own bound
+# (engine/json_bounds.py, 64) inside a generate, and for the tool wrapping around it
+MAX_DEPTH = 96
 MAX_MESSAGES = 1024  # chat messages in one request
 MAX_SEQ = (1 << 31) - 1  # resume.after_seq
 MAX_RESUME_TOKENS = 1 << 20  # resume.token_ids (SamplingParams.MAX_TOKENS)

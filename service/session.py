@@ -304,11 +304,13 @@ class Session:
         if not constrained and not off_loop:
             self._start(g, cont)
             return
-        # held before its compile starts: a key past its compile limit starts none
-        hold = self.gw.hold(self.principal, g.id, compiling=constrained)
+        # held before its compile starts: a key past its compile limit starts none (one
+        # that waits for a compile already under way or done adds none)
+        hold = self.gw.hold(self.principal, g.id, compiling=constrained
+                            and not self.gw.engine.format_started(g.params))
         try:
             try:
-                ready = self.gw.engine.format_ready(g.params)  # (starts its compile)
+                ready = self.gw.engine.format_ready(g.params)  # (starts nothing)
             except ValueError as e:
                 raise ProtocolError("invalid_request", str(e), g.id) from None
             if ready:
@@ -321,10 +323,12 @@ class Session:
             self.gw.unhold(hold)  # (a no-op once admitted)
             raise
         self.preparing[g.id] = task
-        task.add_done_callback(partial(self._prepared, g.id))
+        task.add_done_callback(partial(self._prepared, g.id, hold))
 
-    def _prepared(self, rid: str, _task: asyncio.Task[None]) -> None:
-        self.preparing.pop(rid, None)
+    def _prepared(self, rid: str, hold: Hold, task: asyncio.Task[None]) -> None:
+        if self.preparing.get(rid) is task:
+            del self.preparing[rid]
+        self.gw.unhold(hold)  # (a task cancelled before it ran never reached its finally)
 
     async def _prepare(self, g: Generate, hold: Hold, cont: Resume | None) -> None:
         try:
@@ -465,7 +469,7 @@ class Session:
         if g.params.n != 1:
             raise ProtocolError("invalid_request", "a request with n > 1 can only be resumed "
                                 "on the server that ran it", r.id)
-        if r.after_seq > len(r.token_ids):  # each delta carried at least one token
+        if r.after_seq > len(r.token_ids) + 1:  # a delta carries a token, but for a last
             raise ProtocolError("invalid_request", f"after_seq {r.after_seq} is more deltas "
                                 f"than the {len(r.token_ids)} token_ids given could fill", r.id)
         self._admit(g, r)

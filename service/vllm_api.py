@@ -122,7 +122,7 @@ def _encode_special(gw: Gateway, text: str, any_thread: bool) -> list[int]:
     tok = _tokenizer(gw)
     backend = getattr(tok, "backend_tokenizer", None)
     if any_thread and backend is not None:  # (the Rust encode mutates nothing)
-        return list(backend.encode(text, add_special_tokens=True).ids)
+        return list(backend.encode_batch([text], add_special_tokens=True)[0].ids)
     return list(tok.encode(text, add_special_tokens=True))
 
 

@@ -229,23 +229,30 @@ def test_kv_tier_secret_reaches_the_tier_and_is_never_shown(monkeypatch, capsys)
     assert engine_config(build_parser().parse_args(["serve"])).tier.secret == ""
 
 
-def test_serve_passes_sampling_defaults_and_seed_to_the_service_config(monkeypatch) -> None:
-    import service.server
+class FakeServer:
+    """What `tidewire serve` runs, minus the serving: closes the sockets it is given."""
 
-    got = {}
+    failed = False
 
-    class FakeServer:
-        failed = False
+    def run(self, sockets=()) -> None:  # noqa: ANN001
+        for sock in sockets:
+            sock.close()
 
-        def run(self, sockets=()) -> None:  # noqa: ANN001
-            for sock in sockets:
-                sock.close()
 
-    def fake_build_server(config, host, port, **kw):  # noqa: ANN001, ANN003, ANN202
+def fake_build_server(got: dict):  # noqa: ANN201 - service.server.build_server's stand-in
+    """A build_server that records its arguments in `got`."""
+    def build(config, host, port, **kw):  # noqa: ANN001, ANN003, ANN202
         got.update(config=config, host=host, port=port, **kw)
         return FakeServer()
 
-    monkeypatch.setattr(service.server, "build_server", fake_build_server)
+    return build
+
+
+def test_serve_passes_sampling_defaults_and_seed_to_the_service_config(monkeypatch) -> None:
+    import service.server
+
+    got: dict = {}
+    monkeypatch.setattr(service.server, "build_server", fake_build_server(got))
     monkeypatch.setattr(sys, "setswitchinterval", lambda s: got.update(switch=s))
     monkeypatch.delenv("TIDEWIRE_SEED", raising=False)
     assert main(["serve", "--port", "0", "--sampling-defaults", "none", "--seed", "11",
@@ -268,19 +275,7 @@ def test_serve_log_level_sets_tidewire_and_uvicorn_levels_not_the_libraries(monk
     import service.server
 
     got: dict = {}
-
-    class FakeServer:
-        failed = False
-
-        def run(self, sockets=()) -> None:  # noqa: ANN001
-            for sock in sockets:
-                sock.close()
-
-    def fake_build_server(config, host, port, **kw):  # noqa: ANN001, ANN003, ANN202
-        got.update(kw)
-        return FakeServer()
-
-    monkeypatch.setattr(service.server, "build_server", fake_build_server)
+    monkeypatch.setattr(service.server, "build_server", fake_build_server(got))
     monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)
     # (pytest's handlers are on the root logger: record what basicConfig is asked)
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: got.update(root=kw["level"]))

@@ -193,3 +193,33 @@ async def test_a_fault_in_a_control_command_fails_that_request_alone(tiny_models
         await settled(engine)
     finally:
         await engine.shutdown()
+
+
+async def test_a_fault_while_scheduling_one_request_fails_it_alone(tiny_models) -> None:
+    path = tiny_models("llama", 0)
+    prompts = random_prompts(3, 6, 20, 320, seed=13)
+    want = [o.token_ids for o in LLM(model=str(path), dtype="float32").generate(prompts, GREEDY)]
+    engine = AsyncEngine(config(path))
+    await engine.start()
+    try:
+        kv = engine.engine.kv
+        real = kv.get_computed_blocks
+
+        def lookup(req):  # noqa: ANN001, ANN202
+            if req.params.seed == 77:
+                raise RuntimeError("injected: this request's prefix lookup")
+            return real(req)
+
+        kv.get_computed_blocks = lookup
+        bad = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, seed=77)
+        results = await asyncio.gather(collect(engine, prompts[0], bad, "bad"),
+                                       *(collect(engine, p, GREEDY, f"r{i}")
+                                         for i, p in enumerate(prompts)))
+        check_failed_alone(results[0], "scheduling")
+        for outs, w in zip(results[1:], want):
+            assert outs[-1].finish_reason == "length" and outs[-1].token_ids == w
+        assert engine.dead is None
+        await settled(engine)
+        engine.engine.kv.check_integrity()
+    finally:
+        await engine.shutdown()

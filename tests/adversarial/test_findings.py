@@ -170,10 +170,9 @@ def off_loop_above_2k(monkeypatch) -> None:  # noqa: ANN001
     monkeypatch.setattr(gateway, "INLINE_PROMPT_BYTES", 2000)
 
 
-async def test_a_large_prompt_that_fits_is_tokenized_off_the_loop(server, off_loop_above_2k,
-                                                                  monkeypatch) -> None:
-    """Over INLINE_PROMPT_BYTES the prompt is tokenized on the tokenizing thread; it is
-    admitted (or refused for its token count) like any other."""
+@pytest.fixture
+def tokenize_calls(server, monkeypatch) -> list[tuple[str, bool]]:  # noqa: ANN001
+    """(thread name, any_thread) of each call of the engine's tokenize."""
     import threading
 
     eng = server.app.state.engine
@@ -184,6 +183,14 @@ async def test_a_large_prompt_that_fits_is_tokenized_off_the_loop(server, off_lo
         return real(prompt, any_thread)
 
     monkeypatch.setattr(eng, "tokenize", tokenize)
+    return where
+
+
+async def test_a_large_prompt_that_fits_is_tokenized_off_the_loop(server, off_loop_above_2k,
+                                                                  tokenize_calls) -> None:
+    """Over INLINE_PROMPT_BYTES the prompt is tokenized on the tokenizing thread; it is
+    admitted (or refused for its token count) like any other."""
+    where = tokenize_calls
     ws, s = await open_socket(server)
     async with ws:
         f = await s.answer({"type": "generate", "id": "mid", "prompt": "word " * 500,
@@ -274,25 +281,17 @@ async def test_a_fault_at_any_step_of_admission_answers_and_leaks_nothing(
     assert http_get(server.url + "/health")[0] == 200
 
 
-def test_tokenize_endpoint_takes_a_large_text_off_the_loop(server, monkeypatch) -> None:
-    import threading
+def test_tokenize_endpoint_takes_a_large_text_off_the_loop(server, tokenize_calls) -> None:
     import urllib.request
 
-    eng = server.app.state.engine
-    where, real = [], eng.tokenize
-
-    def tokenize(prompt, any_thread=False):  # noqa: ANN001, ANN202
-        where.append((threading.current_thread().name, any_thread))
-        return real(prompt, any_thread)
-
-    monkeypatch.setattr(eng, "tokenize", tokenize)
+    where = tokenize_calls
     text = "a few words " * 3000  # 36 KB: over INLINE_PROMPT_BYTES
     req = urllib.request.Request(server.url + "/tokenize", json.dumps({"prompt": text}).encode(),
                                  {"Content-Type": "application/json",
                                   "Authorization": "Bearer key-a"})
     with urllib.request.urlopen(req, timeout=60) as r:
         body = json.loads(r.read())
-    assert body["tokens"] == real(text)
+    assert body["tokens"] == server.app.state.engine.engine.tokenize(text)
     assert where == [(where[0][0], True)] and where[0][0].startswith("tidewire-tokenize")
 
 
@@ -345,6 +344,7 @@ async def test_a_compile_nobody_waits_for_any_more_is_cancelled(server, monkeypa
         assert len(started) == 2  # the cancelled one never ran
     finally:
         gate.set()
+    server.gateway.parked.expire_all()  # (a request admitted before its socket closed)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
     while server.gateway.inflight_by_key or server.gateway.compiling_by_key:
