@@ -200,17 +200,9 @@ class ModelRunner:
     def _sample_alone(self, logits: torch.Tensor, inputs: StepInputs) -> Sampled:
         """Each sampling row on its own, then the verifying requests one by one; a
         request whose sampling raises is reported in `failed` (and gets no token)."""
-        out = Sampled({}, {}, {}, {}, {})
         n = len(inputs.sample_ids)
-        for i, rid in enumerate(inputs.sample_ids):
-            one = inputs.sampling.row(i)
-            try:
-                s = self._sample(logits[i : i + 1], [rid], one)
-            except Exception as e:  # noqa: BLE001 - this request's fault only
-                out.failed[rid] = request_fault("sampling", e)  # type: ignore[index]
-                continue
-            out.tokens.update(s.tokens)
-            out.logprobs.update(s.logprobs or {})  # type: ignore[union-attr]
+        out = self._sample_rows(logits[:n], inputs.sample_ids, inputs.sampling)
+        out.verified, out.verified_logprobs = {}, {}
         for g in inputs.spec:
             rows = logits[n + g.start : n + g.start + len(g.proposals) + 1]
             rid = g.request.request_id
@@ -222,9 +214,23 @@ class ModelRunner:
             out.verified[rid] = v.tokens[rid]  # type: ignore[index]
             if v.logprobs and rid in v.logprobs:
                 out.verified_logprobs[rid] = v.logprobs[rid]  # type: ignore[index]
-        out.logprobs = out.logprobs or None
         out.verified = out.verified or None
         out.verified_logprobs = out.verified_logprobs or None
+        return out
+
+    def _sample_rows(self, logits: torch.Tensor, sample_ids: list[str],
+                     sampling: SamplingBatch) -> Sampled:
+        """Each row sampled on its own; a request whose sampling raises is in `failed`."""
+        out = Sampled({}, {}, failed={})
+        for i, rid in enumerate(sample_ids):
+            try:
+                s = self._sample(logits[i : i + 1], [rid], sampling.row(i))
+            except Exception as e:  # noqa: BLE001 - this request's fault only
+                out.failed[rid] = request_fault("sampling", e)  # type: ignore[index]
+                continue
+            out.tokens.update(s.tokens)
+            out.logprobs.update(s.logprobs or {})  # type: ignore[union-attr]
+        out.logprobs = out.logprobs or None
         return out
 
     def _sample(self, logits: torch.Tensor, sample_ids: list[str], sampling: SamplingBatch,
@@ -260,13 +266,21 @@ class ModelRunner:
             self._append_tokens(s, ids, pos, slots)
         bs = self.block_size
         tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, pos)]
-        logits = self.graphs.run(ids, pos, slots, tables)  # type: ignore[union-attr]
         rows = [i for i, s in enumerate(decodes) if s.samples]
         samplers = [decodes[i] for i in rows]
-        if len(rows) < len(decodes):
-            logits = logits[rows]
-        return self._sample(logits, [s.request.request_id for s in samplers],
-                            self._sampling_batch(samplers), launched)
+        sample_ids = [s.request.request_id for s in samplers]
+        sampling = self._sampling_batch(samplers)
+
+        def replay() -> torch.Tensor:
+            logits = self.graphs.run(ids, pos, slots, tables)  # type: ignore[union-attr]
+            return logits[rows] if len(rows) < len(decodes) else logits
+
+        try:
+            return self._sample(replay(), sample_ids, sampling, launched)
+        except Exception:  # noqa: BLE001 - one request's sampling must not fail the batch
+            log.exception("sampling the batch failed; sampling each request alone")
+        # as in execute(): the graph runs again (same cache writes), each request alone
+        return self._sample_rows(replay(), sample_ids, sampling)
 
     def block_shape(self) -> tuple[int, ...]:
         """One block of every layer's K and V: [layers, 2, block_size, kv_heads, head_dim]
