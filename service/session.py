@@ -73,6 +73,7 @@ class Session:
         self.resuming: set[asyncio.Task[None]] = set()  # resumes waiting for a socket to close
         self.session_id = uuid.uuid4().hex
         self.closed = asyncio.Event()  # set once this socket's requests are parked or ended
+        self.closing = False  # _close_all has run: nothing may start on this socket now
 
     async def run(self) -> None:
         tasks = [asyncio.create_task(self.sender.run()), asyncio.create_task(self._watchdog())]
@@ -341,6 +342,7 @@ class Session:
             ids = None
             if self.gw.off_loop(g.prompt, messages):
                 ids = await self.gw.prompt_ids(g.prompt, messages, g.id, True, template_tools)
+            self._check_open()
             self.preparing.pop(g.id, None)  # (its room is the live stream's now)
             self._start(g, cont, ids, hold)
         except ProtocolError as e:
@@ -349,6 +351,14 @@ class Session:
             self._internal(e, {"id": g.id})
         finally:
             self.gw.unhold(hold)  # (a no-op once admitted)
+
+    def _check_open(self) -> None:
+        """Raise CancelledError in a task resuming after this socket closed: on Python
+        3.11 asyncio.wait_for returns a result that arrived with its cancel instead of
+        raising, and a request started then would be admitted on a dead socket, in
+        flight for its key for ever."""
+        if self.closing:
+            raise asyncio.CancelledError
 
     def _render(self, g: Generate) -> tuple[Any, Any]:
         """The generate's messages with its tools rendered, and the tools the template
@@ -431,6 +441,7 @@ class Session:
                 raise ProtocolError("invalid_request", f"session {r.session_id!r} is still open "
                                     "on another socket: resume it after that one closes",
                                     r.id) from None
+            self._check_open()
             self._check_room(r.id)
             self._reattach(r)
         except ProtocolError as e:
@@ -478,6 +489,7 @@ class Session:
         """Our side of the socket is done. If the client dropped, its unfinished
         requests are parked for a resume (blocks freed next step); otherwise, or past
         the limits, they are aborted (blocks freed next step)."""
+        self.closing = True
         for t in (*self.warms, *self.preparing.values(), *self.resuming):
             t.cancel()
         for live in self.live.values():

@@ -354,3 +354,33 @@ async def test_a_compile_nobody_waits_for_any_more_is_cancelled(server, monkeypa
         server.gateway.parked.expire_all()
         await asyncio.sleep(0.01)
     no_leak(server)
+
+
+async def test_a_request_prepared_as_its_socket_closes_is_not_started(server,
+                                                                    monkeypatch) -> None:
+    """A prepare that returns although its task was cancelled (Python 3.11's wait_for
+    returns a result that arrived with the cancel) must not admit the request on the
+    closed socket: it would stay in flight for its key for ever."""
+    entered = asyncio.Event()
+
+    async def swallowing(params) -> None:  # noqa: ANN001
+        entered.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return  # the compile "finished" just as the socket closed
+
+    monkeypatch.setattr(server.app.state.engine, "prepare", swallowing)
+    ws, sock = await open_socket(server, "key-b")
+    await sock.send(gen("late", max_tokens=2,
+                        response_format={"type": "choice", "choice": ["late-1", "late-2"]}))
+    await asyncio.wait_for(entered.wait(), 10)
+    assert server.gateway.inflight_by_key.get("key-b") == 1  # held while it prepares
+    await ws.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while server.gateway.inflight_by_key or server.gateway.compiling_by_key:
+        assert loop.time() < deadline, (server.gateway.inflight_by_key,
+                                        server.gateway.compiling_by_key)
+        await asyncio.sleep(0.01)
+    no_leak(server)
