@@ -158,7 +158,7 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             raise ProtocolError("invalid_request", "each message needs a role and content")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = _part_texts(content)
         calls = m.get("tool_calls")
         if content is None and m["role"] == "assistant" and calls:
             content = ""
@@ -180,6 +180,15 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
         out.append(msg)
     return out
+
+
+def _part_texts(parts: list[Any]) -> str:
+    """A message's content parts joined: the text of each that has one (an image part
+    adds nothing); a `text` that is not a string is refused."""
+    texts = [p.get("text", "") for p in parts if isinstance(p, dict)]
+    if not all(isinstance(t, str) for t in texts):
+        raise ProtocolError("invalid_request", "a content part's text must be a string")
+    return "".join(texts)
 
 
 def render(messages: list[dict[str, Any]], t: Tools | None,

@@ -258,3 +258,13 @@ async def test_socket_tools_required(server) -> None:
         await c.send({"type": "generate", "id": "bad", "messages": ASK,
                       "params": {"tool_choice": "required"}})
         assert "tool_choice needs tools" in error_frame(await c.recv(), "invalid_request", "bad")
+
+
+def test_content_parts_join_their_texts_and_a_non_string_text_is_refused() -> None:
+    msgs = tc.check_messages([{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}},
+        {"type": "text", "text": "b"}]}])
+    assert msgs == [{"role": "user", "content": "ab"}]
+    for bad in ({}, 7, None, ["a"]):  # was a TypeError: a 500 instead of a 400
+        with pytest.raises(ProtocolError, match="content part's text must be a string"):
+            tc.check_messages([{"role": "user", "content": [{"text": "a"}, {"text": bad}]}])
