@@ -77,8 +77,8 @@ def forced_logprobs(llm: Any, ids: list[int]) -> torch.Tensor:
                             decode_block_ids=[blocks[: pos // bs + 1]], prefills=[])
         meta = runner.attn.build_metadata(layout)
         x, p = torch.tensor([tok]), torch.tensor([pos])
-        if runner.cpu_step is not None:
-            logits = runner.cpu_step.run(x, p, meta)
+        if runner.compiled_step is not None:
+            logits = runner.compiled_step.run(x, p, meta)
         else:
             logits = runner.model.forward(x, p, runner.kv_caches, meta, rows)
         out.append(F.log_softmax(logits[0].float(), -1))

@@ -290,11 +290,11 @@ def _profiles(llm: Any, long: bool) -> list[dict]:
     out = [step_breakdown(llm, 64, 200)]
     if long:
         out.append(step_breakdown(llm, 64, 2000))
-    compiled, runner.cpu_step = runner.cpu_step, None
+    compiled, runner.compiled_step = runner.compiled_step, None
     try:
         out.append(step_breakdown(llm, 1, 200))
     finally:
-        runner.cpu_step = compiled
+        runner.compiled_step = compiled
     if compiled is not None:
         out.append(step_breakdown(llm, 1, 200))
     for b in out:

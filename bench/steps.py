@@ -92,8 +92,8 @@ def step_breakdown(llm: Any, batch: int, ctx: int, rounds: int = 5) -> dict[str,
     wraps = [_Timed(eng.scheduler, n, totals, "scheduler") for n in ("schedule", "advance", "commit")]
     wraps.append(_Timed(runner, "_sample", totals, "sampler"))
     wraps.append(_Timed(runner, "_forward", totals, "model"))
-    if runner.cpu_step is not None:
-        wraps.append(_Timed(runner.cpu_step, "run", totals, "model"))
+    if runner.compiled_step is not None:
+        wraps.append(_Timed(runner.compiled_step, "run", totals, "model"))
     steps: list[float] = []
     for w in wraps:
         w.__enter__()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -98,8 +98,8 @@ class RedisTier(KVTier):
         self.breaker.success()
         return out
 
-    def _pipeline(self, build: Callable[[redis.client.Pipeline], object]) -> Callable[[], list]:
-        def run() -> list:
+    def _pipeline(self, build: Callable[[redis.client.Pipeline], object]) -> Callable[[], list[Any]]:
+        def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             build(pipe)
             return pipe.execute()

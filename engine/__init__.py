@@ -11,7 +11,7 @@ from typing import Any
 _EXPORTS = {"AsyncEngine": "engine.async_engine", "CacheConfig": "engine.config",
             "SchedulerConfig": "engine.config", "TierConfig": "engine.config", "LLM": "engine.llm",
             "EngineConfig": "engine.config", "LLMEngine": "engine.llm_engine",
-            "PromptTooLongError": "engine.llm_engine", "RequestOutput": "engine.outputs",
+            "PromptTooLongError": "engine.input_processor", "RequestOutput": "engine.outputs",
             "StepOutput": "engine.outputs", "SamplingParams": "engine.sampling_params"}
 __all__ = sorted(_EXPORTS)
 

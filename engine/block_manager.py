@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from engine.request import Request
@@ -86,7 +86,7 @@ class FreeBlockQueue:
         self.remove(first)
         return first
 
-    def __iter__(self):  # noqa: ANN204 - iterator of KVBlock
+    def __iter__(self) -> Iterator[KVBlock]:
         b = self._head.next
         while b is not None and b is not self._tail:
             yield b

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.registry import DEFAULT_MODEL
 
-# the names `EngineConfig.dtype` takes besides "auto" (llm_engine.DTYPES maps them to torch)
+# the names `EngineConfig.dtype` takes besides "auto" (platform.DTYPES maps them to torch)
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
 QUANTIZATIONS = ("none", "int8")  # engine/quant.py
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the activations' dtype; int8: the CPU's q8 cache

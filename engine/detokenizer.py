@@ -118,7 +118,8 @@ class IncrementalDetokenizer:
         self.stop_hit: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip)
+        text: str = self.tok.decode(ids, skip_special_tokens=self.skip)
+        return text
 
     def _bytes(self, ids: list[int]) -> bytes:
         """The tokens' bytes; an id the tokenizer does not have (a model's lm_head can be

@@ -30,6 +30,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ from engine.config import TierConfig
 from engine.kv_io import BlockFormat, LoadJob, OffloadStats, TierWorker, WriteJob, tier_key
 from engine.request import Request
 from engine.runner import ModelRunner
+from engine.stats import OffloadCounters, TierCounters
 
 log = logging.getLogger("tidewire.kv_offload")
 
@@ -309,6 +311,13 @@ class KVOffload:
         if len(known) > self.known_limit:
             known.popitem(last=False)
 
+    def counters(self) -> tuple[OffloadCounters, tuple[TierCounters, ...]]:
+        """This side's counters and each host tier's, for EngineStats (engine thread)."""
+        o = self.stats
+        mine = OffloadCounters(o.loads, o.load_blocks, o.load_timeouts, o.corrupt,
+                               o.written_blocks, o.dropped_writes, o.load_seconds)
+        return mine, tuple(_tier_counters(t) for t in getattr(self.tier, "tiers", [self.tier]))
+
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -322,3 +331,9 @@ class KVOffload:
         """Let the worker exit once its queues are empty, without waiting for it (an
         engine dropped without close() calls this)."""
         self.worker.stop()
+
+
+def _tier_counters(t: Any) -> TierCounters:  # a cache_store.base.KVTier
+    c = t.stats.as_dict()
+    return TierCounters(t.name, c["lookups"], c["hits"], c["misses"], c["puts"], c["errors"],
+                        c["bytes_read"], c["bytes_written"], t.state() != "ok", t.breaker_trips())

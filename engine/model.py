@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend
+from engine.layer_ops import make_ops
+from engine.platform import ModelPlan
 from engine.quant import dequantize_int8, linear_weight_names, quantized
 from kernels import cpu_ops
 from kernels import reference as ref
@@ -111,20 +113,29 @@ class Linear:
     small_rows = 4
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 keep_plain: bool = True) -> None:
-        """`keep_plain`: keep the plain weight for batches of up to `small_rows` rows
-        (False: the caller never sends so few)."""
+                 keep_plain: bool = False) -> None:
+        """`keep_plain`: keep the plain weight beside a packed one, for batches of up to
+        `small_rows` rows (ModelPlan.keeps_plain; False where the caller never sends so
+        few)."""
         self.weight, self.bias = weight.contiguous(), bias
         self.out_features, self.in_features = weight.shape
         self.plain: torch.Tensor | None = None  # kept for linear_small
         packed = _mkldnn_pack(self.weight) if weight.dtype == torch.bfloat16 else None
         if packed is not None:
-            if keep_plain and weight.shape[1] % 32 == 0 and cpu_ops.available():
+            if keep_plain:
                 self.plain = self.weight
             self.weight = packed  # the packed copy replaces the plain one
             self._op = _PACKED_LINEAR  # resolved once: torch.ops lookups cost µs per call
         else:
             self._op = None
+
+    @property
+    def plain_weight(self) -> torch.Tensor | None:
+        """The weight as [out, in] rows (the compiled decode step reads it), if kept:
+        the plain copy of a packed weight, or the weight itself where none was packed."""
+        if self.plain is not None:
+            return self.plain
+        return self.weight if self._op is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.plain is not None and _few_rows(x, self.small_rows):
@@ -153,7 +164,7 @@ class Int8Linear:
         self.q, self.scale, self.bias = q.contiguous(), scale.float().contiguous(), bias
         self.out_features, self.in_features = q.shape
         # (no plain copy: batches of up to small_rows rows never reach it)
-        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias, keep_plain=False)
+        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if _few_rows(x, self.small_rows):
@@ -189,28 +200,21 @@ class LayerWeights:
 
 
 class LlamaModel:
-    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 attn: AttentionBackend, quantization: str = "none",
-                 quant_cache: Path | None = None) -> None:
-        """`quantization`: "none" or "int8" (weight-only, per output channel; the CPU
-        backend with its compiled kernels only); `quant_cache`: where the int8 weights
-        are cached."""
-        self.arch, self.dtype, self.attn = arch, dtype, attn
+    def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], plan: ModelPlan,
+                 attn: AttentionBackend, quant_cache: Path | None = None) -> None:
+        """`plan`: how this model runs here (engine/platform.py), its dtype, ops and
+        quantization ("int8": weight-only, per output channel) among them; `quant_cache`:
+        where the int8 weights are cached."""
+        self.arch, self.plan, self.attn = arch, plan, attn
+        self.dtype = dtype = plan.dtype
         tied = arch.tie_word_embeddings or "lm_head.weight" not in weights
         self._int8: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if quantization == "int8":
-            dims = (arch.hidden_size, arch.intermediate_size, arch.num_heads * arch.head_dim)
-            if not getattr(attn, "compiled", False) or any(n % 16 for n in dims):
-                raise ValueError("int8 quantization needs the cpu attention backend with its "
-                                 "compiled kernels (a C++ compiler), and hidden size, "
-                                 "intermediate size and heads x head_dim multiples of 16")
+        if plan.quantization == "int8":
             src = dict(weights)
             if tied:  # the LM head is a quantized copy of the (kept) embedding table
                 src["lm_head.weight"] = weights["model.embed_tokens.weight"]
             self._int8 = quantized(src, linear_weight_names(src), quant_cache)
-        elif quantization != "none":
-            raise ValueError(f"quantization must be none or int8, got {quantization!r}")
-        w = {k: v.to(attn.device, dtype) for k, v in weights.items()}
+        w = {k: v.to(plan.device, dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
         if tied:
@@ -220,19 +224,9 @@ class LlamaModel:
         self._int8 = {}  # the Int8Linears hold what they need
         cos, sin = ref.rope_cos_sin(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling)
-        self.cos, self.sin = cos.to(attn.device), sin.to(attn.device)
+        self.cos, self.sin = cos.to(plan.device), sin.to(plan.device)
         self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.ops = self._ops(arch, attn)
-
-    @staticmethod
-    def _ops(arch: ModelArch, attn: AttentionBackend) -> TorchOps | TritonOps | CpuOps:
-        if attn.fused_ops:
-            return TritonOps()
-        if (getattr(attn, "compiled", False) and arch.hidden_size % 16 == 0
-                and arch.intermediate_size % 16 == 0 and arch.head_dim % 32 == 0):
-            return CpuOps()
-        return TorchOps()
+        self.ops = make_ops(plan.ops)
 
     def _linear(self, w: dict[str, torch.Tensor], names: list[str],
                 bias: torch.Tensor | None = None) -> Linear | Int8Linear:
@@ -243,7 +237,8 @@ class LlamaModel:
                 return Int8Linear(*parts[0], bias, self.dtype)
             return Int8Linear(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]),
                               bias, self.dtype)
-        return Linear(torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]], bias)
+        weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
+        return Linear(weight, bias, self.plan.keeps_plain(weight.shape[1]))
 
     def _layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -284,75 +279,7 @@ class LlamaModel:
                    layer: LayerWeights,
                    k_cache: torch.Tensor, v_cache: torch.Tensor,
                    meta: object) -> torch.Tensor:
-        a = self.arch
-        n = h.shape[0]
-        qkv = layer.qkv(h)
-        if isinstance(self.ops, CpuOps):  # rope and the cache write in one pass
-            self.ops.rope_cache(qkv, rot, k_cache, v_cache, meta, a.num_heads)
-            q = qkv[:, : self.q_size].view(n, a.num_heads, a.head_dim)
-            o = self.attn.forward(q, q, q, k_cache, v_cache, meta)  # k, v: read from the cache
-            return layer.o(o.view(n, self.q_size))
-        # q and k rotate together: one rope over their [n, heads + kv_heads, d] view.
-        qk = self.ops.rope(qkv[:, : self.q_size + self.kv_size].view(n, -1, a.head_dim),
-                           a.num_heads, rot)
-        q, k = qk.split([a.num_heads, a.num_kv_heads], dim=1)
-        v = qkv[:, self.q_size + self.kv_size :].view(n, a.num_kv_heads, a.head_dim)
-        self.attn.write_cache(k, v, k_cache, v_cache, meta)
+        q, k, v = self.ops.rope_store(layer.qkv(h), rot, self.arch, self.attn, k_cache,
+                                      v_cache, meta)
         o = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-        return layer.o(o.reshape(n, self.q_size))
-
-
-class TorchOps:
-    """The elementwise ops of a layer as torch code (kernels/reference.py)."""
-
-    rms_norm = staticmethod(ref.rms_norm)
-    silu_and_mul = staticmethod(ref.silu_and_mul)
-
-    @staticmethod
-    def rope_setup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return ref.rope_gather(cos, sin, positions, dtype)  # once per step, for all layers
-
-    @staticmethod
-    def rope(qk: torch.Tensor, num_heads: int, rot: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        return ref.rope(qk, *rot)
-
-
-class CpuOps:
-    """The same ops as compiled CPU kernels (kernels/cpu_ops.py); rope also stores k and
-    v in the cache, so the model skips the backend's write_cache."""
-
-    rms_norm = staticmethod(cpu_ops.rms_norm)
-    silu_and_mul = staticmethod(cpu_ops.silu_and_mul)
-
-    @staticmethod
-    def rope_setup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return positions, cos, sin
-
-    @staticmethod
-    def rope_cache(qkv: torch.Tensor, rot: tuple[torch.Tensor, ...], k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, meta: Any, num_heads: int) -> None:
-        positions, cos, sin = rot
-        cpu_ops.rope_cache(qkv, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
-                           num_heads)
-
-
-class TritonOps:
-    """The same ops as the fused Triton kernels (kernels/fused_norm_rope_act.py)."""
-
-    def __init__(self) -> None:
-        from kernels import fused_norm_rope_act as fused
-
-        self.rms_norm = fused.rms_norm
-        self.silu_and_mul = fused.silu_and_mul
-        self._rope = fused.rope
-
-    @staticmethod
-    def rope_setup(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return positions, cos, sin
-
-    def rope(self, qk: torch.Tensor, num_heads: int, rot: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        self._rope(qk[:, :num_heads], qk[:, num_heads:], *rot)  # in place
-        return qk
+        return layer.o(o.reshape(h.shape[0], self.q_size))

@@ -114,6 +114,16 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 
+    def drop_last(self, drop: int) -> None:
+        """Drop the last `drop` of this step's tokens (they came after the request's end:
+        a stop string, a constraint's end). One that max_tokens ended at the last token
+        dropped ended earlier, on its stop: as it would have one token a step."""
+        if drop:
+            del self.output_token_ids[-drop:]
+            self.num_new_tokens_last -= drop
+            if self.status is RequestStatus.FINISHED_LENGTH:
+                self.status = RequestStatus.FINISHED_STOPPED
+
     @property
     def decoding(self) -> bool:
         """All known tokens but the newest are computed: the next step feeds one token
@@ -135,3 +145,41 @@ class Request:
         if self.num_output_tokens >= self.params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+class ParentRequest:
+    """A caller's request and its samples. With n > 1 each sample is its own Request (id
+    `<id>\x00<i>`): the first is admitted at once, the others (`waiting`) once its prompt
+    is computed, so they find every full prompt block in the prefix cache and share it
+    instead of recomputing it. With n == 1 the only sample is the request itself."""
+
+    __slots__ = ("request_id", "samples", "unfinished", "waiting")
+
+    def __init__(self, req: Request) -> None:
+        self.request_id = req.request_id
+        n = req.params.n
+        self.samples = [req] if n == 1 else [_sample(req, i) for i in range(n)]
+        self.unfinished = [s.request_id for s in self.samples]  # sample ids, in index order
+        self.waiting: list[Request] = []  # set once the first sample is queued
+
+    @property
+    def first(self) -> Request:
+        return self.samples[0]
+
+    def take_waiting(self) -> list[Request]:
+        """The samples still waiting to start (none after the first call)."""
+        waiting, self.waiting = self.waiting, []
+        return waiting
+
+    def finished(self, sample_id: str) -> bool:
+        """Count a sample finished; True when it was the last unfinished one."""
+        if sample_id not in self.unfinished:
+            return False
+        self.unfinished.remove(sample_id)
+        return not self.unfinished
+
+
+def _sample(req: Request, i: int) -> Request:
+    return Request(f"{req.request_id}\x00{i}", req.prompt_token_ids, req.params,
+                   req.eos_token_ids, req.salt, req.arrival_time, parent_id=req.request_id,
+                   index=i, grammar=req.grammar)

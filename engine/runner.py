@@ -9,20 +9,21 @@ import math
 import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.attention.base import PrefillSpec, StepLayout, get_backend
-from engine.cpu_step import CpuDecodeStep
+from engine.compiled_step import CompiledDecodeStep
 from engine.cuda_graphs import DecodeGraphs
 from engine.model import LlamaModel, ModelArch
 from engine.outputs import TokenLogprob
+from engine.platform import FastPath, Platform
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 from engine.spec_decode import SpecRows, verify
+from engine.step_inputs import StepInputs, append_tokens, split_step, step_layout
 from engine.structured import apply_masks
 
 log = logging.getLogger("tidewire.engine")
@@ -64,18 +65,6 @@ class BlockCopy:
         return self.data
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    meta: object  # the attention backend's metadata for this step
-    logits_rows: torch.Tensor  # [num_samples] int64: rows whose logits are sampled
-    sample_ids: list[str]  # request id of each sampled row
-    sampling: SamplingBatch
-    # requests verifying proposals: their rows follow the sampled ones in logits_rows
-    spec: list[SpecRows] = field(default_factory=list)
-
-
 def prefault_default() -> bool:
     """CacheConfig.prefault=None: on, unless TIDEWIRE_KV_PREFAULT=0."""
     return os.environ.get("TIDEWIRE_KV_PREFAULT", "1").lower() not in ("0", "false", "no", "off")
@@ -102,24 +91,24 @@ def kv_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
 
 class ModelRunner:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], *,
-                 dtype: torch.dtype, backend: str, block_size: int, num_blocks: int,
-                 seed: int | None = None, max_num_seqs: int = 64, max_model_len: int = 8192,
-                 enforce_eager: bool = False, quantization: str = "none",
+                 platform: Platform, block_size: int, num_blocks: int, seed: int | None = None,
+                 max_num_seqs: int = 64, max_model_len: int = 8192, quantization: str = "none",
                  quant_cache: Path | None = None, prefault: bool = False,
                  kv_cache_dtype: str = "auto") -> None:
         """Keyword-only past `weights`: most are ints, easily swapped by position.
-        `enforce_eager`: no CUDA graphs (the Triton backends replay decode steps from
-        graphs otherwise; engine/cuda_graphs.py) and no compiled CPU decode step
-        (engine/cpu_step.py). `quantization`: "none" or "int8"
+        `platform` plans the model (Platform.plan): its dtype, backend, ops and fast
+        decode path (CUDA graphs, engine/cuda_graphs.py; the compiled decode step,
+        engine/compiled_step.py; or none). `quantization`: "none" or "int8"
         (engine/quant.py), cached in `quant_cache`. `prefault`: see kv_pool.
         `kv_cache_dtype`: "auto" (the activations' dtype) or "int8" (the cpu backend's
         q8 cache, engine/attention/cpu.py)."""
-        attn = get_backend(backend)(arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size,
-                                    dtype, kv_cache_dtype)
+        self.plan = plan = platform.plan(arch, quantization, kv_cache_dtype)
+        log.debug("%s on %s", plan, platform)
+        attn = platform.attention(arch, plan, block_size)
         self.block_size = block_size
         self.attn = attn
-        self.device = torch.device(attn.device)
-        self.model = LlamaModel(arch, weights, dtype, attn, quantization, quant_cache)
+        self.device = torch.device(plan.device)
+        self.model = LlamaModel(arch, weights, plan, attn, quant_cache)
         # One tensor holds every layer's K and V cache, so that moving whole blocks to
         # or from the host tier is one gather or scatter, not two per layer.
         self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)), attn.cache_dtype,
@@ -128,10 +117,10 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
-        self.cpu_step: CpuDecodeStep | None = None
-        if attn.name == "cpu" and not enforce_eager and CpuDecodeStep.supported(self.model):
-            self.cpu_step = CpuDecodeStep(self.model, self.kv_caches)
-        if attn.name in ("cuda", "triton-interpret") and not enforce_eager:
+        self.compiled_step: CompiledDecodeStep | None = None
+        if plan.fast_path is FastPath.COMPILED_STEP:
+            self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches)
+        if plan.fast_path is FastPath.CUDA_GRAPHS:
             self.graphs = DecodeGraphs(self._forward, self.device, max_num_seqs,
                                        -(-max_model_len // block_size),
                                        capture=self.device.type == "cuda")
@@ -159,7 +148,7 @@ class ModelRunner:
         graph's replay (and greedy argmax) is enqueued on the GPU; for any other step
         (eager launches, CPU compute: the thread is busy for all of it) before it
         starts."""
-        decodes, prefills = self._split(out)
+        decodes, prefills = split_step(out)
         if self.graphs is not None and not prefills and self.graphs.fits(
                 len(decodes), decodes[0].request.num_computed_tokens + 1 if decodes else 0):
             return self._execute_graph(decodes, launched)
@@ -178,10 +167,11 @@ class ModelRunner:
 
     def _logits(self, inputs: StepInputs) -> torch.Tensor:
         """The forward: the logits of the rows that sample, then the verifying rows."""
-        if self.cpu_step is not None and self.cpu_step.fits(len(inputs.positions)):
+        step = self.compiled_step
+        if step is not None and step.fits(len(inputs.positions)):
             # decodes, and up to 8 query tokens in all (a decode verifying proposals)
-            logits = self.cpu_step.run(inputs.input_ids, inputs.positions,
-                                       inputs.meta)  # type: ignore[arg-type]  # the cpu backend's
+            logits = step.run(inputs.input_ids, inputs.positions,
+                              inputs.meta)  # type: ignore[arg-type]  # the cpu backend's
             if len(inputs.logits_rows) < len(inputs.positions):
                 logits = logits[inputs.logits_rows]
             return logits
@@ -263,7 +253,7 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         for s in decodes:
-            self._append_tokens(s, ids, pos, slots)
+            append_tokens(s, self.block_size, ids, pos, slots)
         bs = self.block_size
         tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, pos)]
         rows = [i for i, s in enumerate(decodes) if s.samples]
@@ -324,13 +314,6 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
-    @staticmethod
-    def _split(out: SchedulerOutput) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
-        """Decodes (one new token, longest context first), then prefill chunks."""
-        decodes = sorted((s for s in out.scheduled if s.num_new_tokens == 1),
-                         key=lambda s: -s.request.num_computed_tokens)
-        return decodes, [s for s in out.scheduled if s.num_new_tokens > 1]
-
     def prepare(self, decodes: list[ScheduledRequest],
                 prefills: list[ScheduledRequest]) -> StepInputs:
         ids: list[int] = []
@@ -341,7 +324,7 @@ class ModelRunner:
         spec_rows: list[int] = []
         spec: list[SpecRows] = []
         for s in decodes + prefills:
-            self._append_tokens(s, ids, pos, slots)
+            append_tokens(s, self.block_size, ids, pos, slots)
             if s.num_spec:  # every position from the newest known token on is scored
                 r = s.request
                 spec.append(SpecRows(r, r.spec_token_ids[: s.num_spec], len(spec_rows),
@@ -363,31 +346,9 @@ class ModelRunner:
             spec=spec,
         )
 
-    def _append_tokens(self, s: ScheduledRequest, ids: list[int], pos: list[int],
-                       slots: list[int]) -> None:
-        req, bs = s.request, self.block_size
-        start = req.num_computed_tokens
-        known = start + s.num_new_tokens - s.num_spec
-        for p in range(start, start + s.num_new_tokens):
-            ids.append(req.token_at(p) if p < known else req.spec_token_ids[p - known])
-            pos.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-
     def _metadata(self, decodes: list[ScheduledRequest], prefills: list[ScheduledRequest],
                   slots: list[int]) -> object:
-        specs, q_start = [], len(decodes)
-        for s in prefills:
-            ctx = s.request.num_computed_tokens + s.num_new_tokens
-            specs.append(PrefillSpec(q_start, s.num_new_tokens, ctx,
-                                     s.block_ids[: -(-ctx // self.block_size)]))
-            q_start += s.num_new_tokens
-        layout = StepLayout(
-            slot_mapping=slots,
-            decode_seq_lens=[s.request.num_computed_tokens + 1 for s in decodes],
-            decode_block_ids=[s.block_ids for s in decodes],
-            prefills=specs,
-        )
-        return self.model.attn.build_metadata(layout)
+        return self.attn.build_metadata(step_layout(decodes, prefills, slots, self.block_size))
 
     def _sampling_batch(self, samplers: list[ScheduledRequest]) -> SamplingBatch:
         reqs = [s.request for s in samplers]
@@ -422,21 +383,21 @@ class ModelRunner:
     def last_logits(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Run a step and return only the logits of each scheduled sequence's last row,
         in the order given (a draft model's proposal steps: no sampling here)."""
-        decodes, prefills = self._split(SchedulerOutput(scheduled))
+        decodes, prefills = split_step(SchedulerOutput(scheduled))
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         rows: dict[int, int] = {}
         for s in decodes + prefills:
-            self._append_tokens(s, ids, pos, slots)
+            append_tokens(s, self.block_size, ids, pos, slots)
             rows[id(s)] = len(ids) - 1
         order = torch.tensor([rows[id(s)] for s in scheduled], dtype=torch.int64)
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.int64).to(dev)
         positions = torch.tensor(pos, dtype=torch.int64).to(dev)
         meta = self._metadata(decodes, prefills, slots)
-        if self.cpu_step is not None and self.cpu_step.fits(len(ids)):
-            logits = self.cpu_step.run(input_ids, positions, meta)  # type: ignore[arg-type]
+        if self.compiled_step is not None and self.compiled_step.fits(len(ids)):
+            logits = self.compiled_step.run(input_ids, positions, meta)  # type: ignore[arg-type]
             return logits[order]
         # the model computes the rows asked for, in the order asked
         return self._forward(input_ids, positions, meta, order.to(dev))

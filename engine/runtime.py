@@ -1,15 +1,19 @@
 """Process-wide tuning, in one place. Entry points apply it (the command line, the
-offline LLM class); engine and service code never change process state on their own.
-Each setting says what it was measured to fix (numbers in docs/performance.md)."""
+offline LLM class); engine and service code never change process state on their own,
+with one exception: the event loop pauses the garbage collector for the length of one
+fan-out of step outputs (`paused_gc`, held by `Outbox.take`), and restores it before it
+returns. Each setting says what it was measured to fix (numbers in docs/performance.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import gc
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 # libgomp's default (300,000 spins) keeps an idle worker spinning for milliseconds after
 # each of the engine's parallel regions: on a small machine that steals the core the
@@ -30,6 +34,23 @@ def tune_openmp() -> None:
 def tune_gil(interval: float = SWITCH_INTERVAL) -> None:
     """For a server: the engine thread and the event loop share the GIL."""
     sys.setswitchinterval(interval)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No garbage collection inside the block (the collector's state is restored after).
+
+    For the fan-out of one step's outputs on the event loop: the allocations of 64
+    deltas tripped a young-generation pass in front of some socket's write. The pass
+    runs on the next allocation past the threshold instead, after the writes."""
+    collecting = gc.isenabled()
+    if collecting:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def tune_malloc() -> bool:

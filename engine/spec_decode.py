@@ -32,9 +32,11 @@ has not tripped (acceptance below a floor after a few probing steps pauses it).
 
 from __future__ import annotations
 
+import logging
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -42,6 +44,11 @@ from engine.config import SpeculativeConfig
 from engine.outputs import TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler, SamplingBatch, argmax_rows, sample_from, _finite
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledRequest
+
+log = logging.getLogger("tidewire.engine")
 
 
 class Proposer(Protocol):
@@ -144,6 +151,23 @@ class Speculator:
             ks.append(k)
         if reqs:
             self.proposer.propose(reqs, ks)
+
+    def propose_step(self, running: list[Request], step: int, max_tokens: int | None) -> None:
+        """propose(), for the engine's step: proposals are optional, so when the proposer
+        raises the step goes without them."""
+        try:
+            self.propose(running, step, max_tokens)
+        except Exception:  # noqa: BLE001 - this step goes without proposals
+            log.exception("speculative proposals failed; the step runs without them")
+            for r in running:
+                r.spec_token_ids, r.spec_probs = [], None
+
+    def record_step(self, scheduled: Sequence[ScheduledRequest], step: int) -> None:
+        """After a verifying step: each verifying request's acceptance (record())."""
+        for s in scheduled:
+            if s.num_spec:
+                r = s.request
+                self.record(r, s.num_spec, r.num_new_tokens_last - 1, step)
 
     def record(self, req: Request, proposed: int, accepted: int, step: int) -> None:
         """After a verifying step: trip the off-switch of a request whose proposals are

@@ -80,11 +80,10 @@ class DraftProposer:
         self.num_blocks = engine.num_blocks
         self.kv = KVCacheManager(self.num_blocks, cc.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(
-            arch, load_weights(model_dir), dtype=engine.dtype,
-            backend=engine.config.attention_backend, block_size=cc.block_size,
+            arch, load_weights(model_dir), platform=engine.platform, block_size=cc.block_size,
             num_blocks=self.num_blocks, seed=engine.config.seed,
             max_num_seqs=engine.config.scheduler.max_num_seqs,
-            max_model_len=engine.max_model_len, enforce_eager=engine.config.enforce_eager)
+            max_model_len=engine.max_model_len)
         self.seqs: dict[str, DraftSeq] = {}
         # tokens one round may feed to catch requests up (a new request's whole prompt):
         # the step's token budget, as for the target

@@ -1,11 +1,13 @@
-"""Tidewire's compiled CPU operators (kernels/cpu/*.cpp), built once per machine.
+"""Tidewire's compiled CPU operators (kernels/cpu/: ops.cpp and its headers), built once
+per machine, loaded, and wrapped here with their contracts (shapes, dtypes, layouts).
 
 The C++ sources are compiled with `-march=native` by torch.utils.cpp_extension the first
 time they are needed (about 30 s on 2 cores; `make install` does it ahead of time) and
 cached under `$TIDEWIRE_CACHE/ext/` keyed by the sources, the torch version and the CPU,
 so a copied cache never runs code built for another processor. The operators register
 as `torch.ops.tidewire.*`. Where no compiler is available (or TIDEWIRE_CPU_OPS=0),
-`available()` is False and callers use the torch references in kernels/reference.py.
+`available()` is False and engine/platform.py plans models on the torch references in
+kernels/reference.py instead.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def available() -> bool:
         return bool(_state["ok"])
 
 
+PAGED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dims paged_attention takes
+
+
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, scale: float,
@@ -93,7 +98,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     + 4)], kernels/cpu/kv_q8.h); block_table [num_seqs, max_blocks], seq_lens [num_seqs]
     (context after this step), query_start [num_seqs + 1], all int32. Query i of
     sequence s sits at position seq_lens[s] - q_len + i. float32 or bfloat16 (fp32
-    accumulation either way); head_dim in 16, 32, 64, 80, 96, 128, 256. Sequences
+    accumulation either way); head_dim in PAGED_HEAD_DIMS. Sequences
     [0, num_decodes) are decode steps (None: every one-token sequence), which over an
     int8 cache may take int8 queries (q8_decode_quantizes_queries)."""
     torch.ops.tidewire.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens,
@@ -103,7 +108,7 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 
 def q8_decode_quantizes_queries() -> bool:
     """Whether decodes over an int8 KV cache can run the integer kernel, which takes each
-    query row through int8 too (kernels/cpu/attention_q8.h): where the CPU has
+    query row through int8 too (kernels/cpu/attention_decode.h): where the CPU has
     AVX512-VNNI (the kernels are built with -march=native), for head_dim a multiple of
     64, at most 8 query heads per KV head and block sizes a multiple of 16. Otherwise,
     and for prefill chunks everywhere, tiles are dequantized and the queries kept."""

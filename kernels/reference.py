@@ -1,9 +1,12 @@
-"""Torch references for the model's fused elementwise kernels.
+"""Torch references for Tidewire's kernels.
 
-These are the CPU path's implementations and the oracle the Triton kernels are tested
-against. The arithmetic follows HF transformers' Llama exactly (fp32 statistics in
-RMSNorm, cos/sin built in fp32 then cast to the activation dtype), so fp32 runs match
-it bit for bit where the op order allows.
+They are the oracle that the Triton kernels and the compiled CPU kernels
+(kernels/cpu_ops.py) are tested against, and what the engine runs where neither can:
+the torch layer ops (engine/layer_ops.py TorchOps: no C++ compiler, or shapes the
+compiled kernels do not take), the int8 KV cache write of a model on those ops, the
+token bitmask without the compiled kernels. The arithmetic follows HF transformers'
+Llama exactly (fp32 statistics in RMSNorm, cos/sin built in fp32 then cast to the
+activation dtype), so fp32 runs match it bit for bit where the op order allows.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from service.gateway import Gateway
 from service.metrics import Metrics
 from service.origins import origin_allowed
 from service.protocol import ProtocolError
-from service.transport import ASGI_SEND
+from service.transport import RawSend
 from service.session import websocket_endpoint
 
 log = logging.getLogger("tidewire.service")
@@ -124,21 +124,6 @@ async def drain(gw: Gateway, grace: float) -> None:
 async def _going_away(session: Any) -> None:
     with contextlib.suppress(Exception):
         await session.ws.close(code=1001, reason="server shutting down")
-
-
-class RawSend:
-    """Outermost ASGI layer: puts the server's own `send` into a WebSocket's scope, so
-    the socket's hot path (a data frame per stream per step) can call it directly,
-    without the per-message wrappers of Starlette's middleware stack."""
-
-    def __init__(self, app: Starlette) -> None:
-        self.app = app
-        self.state = app.state
-
-    async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
-        if scope["type"] == "websocket":
-            scope[ASGI_SEND] = send
-        await self.app(scope, receive, send)
 
 
 class ReadOnlyFiles:

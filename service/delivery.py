@@ -16,6 +16,7 @@ from service.protocol import ProtocolError
 from service.tools import CallStream, Tools
 
 if TYPE_CHECKING:
+    from engine.request_stream import RequestStream
     from service.gateway import Admission
 
 FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error"}
@@ -56,10 +57,13 @@ class Timings:
 
 @dataclass(eq=False, slots=True)
 class Live:
-    """A request in flight on a socket (or parked after its socket dropped)."""
+    """A request in flight on a socket (or parked after its socket dropped): its client
+    id, its admission and the engine's stream of its outputs (`adm.stream`, carried
+    here directly), and what its client has been sent."""
 
     rid: str
     adm: Admission
+    stream: RequestStream = field(init=False)
     logprobs: bool
     track: Timings
     seq: int = 0
@@ -74,6 +78,9 @@ class Live:
     tools: Tools | None = None  # a chat request with tools: its calls are parsed out
     calls: dict[int, CallStream] = field(default_factory=dict)  # by sample index
 
+    def __post_init__(self) -> None:
+        self.stream = self.adm.stream
+
 
 def step_frames(live: Live, log_tokens: Callable[[bool, float, int], None]
                 ) -> list[dict[str, Any]]:
@@ -81,7 +88,7 @@ def step_frames(live: Live, log_tokens: Callable[[bool, float, int], None]
     then one delta per step that carried tokens or text, each with a resume mark.
     `log_tokens`: see Timings.token."""
     live.queued = False
-    stream, frames = live.adm.stream, []
+    stream, frames = live.stream, []
     out = stream.output  # cumulative; each step below is already folded into it
     while (step := stream.take_step()) is not None:
         live.last = out
@@ -120,7 +127,7 @@ def replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
     del live.marks[after_seq:]
     live.seq = after_seq
     frames = []
-    outputs = live.adm.stream.output.outputs
+    outputs = live.stream.output.outputs
     for c in outputs:
         ntok, nchar = have.get(c.index, (0, 0))
         if len(c.token_ids) > ntok or c.text_len > nchar:
@@ -175,17 +182,18 @@ def spec_timings(spec: tuple[int, int, int]) -> dict[str, float]:
             "spec_accepted_per_step": round(accepted / steps, 4) if steps else 0.0}
 
 
-def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str,
-               track: Timings, tools: Tools | None = None,
-               calls: dict[int, CallStream] | None = None) -> dict[str, Any]:
+def done_frame(live: Live, reason: str) -> dict[str, Any]:
+    """The stream's done frame, ended for `reason` (an engine finish reason), from the
+    last output it was sent (`live.last`)."""
+    last, tools, calls = live.last, live.tools, live.calls
     completion = sum(len(o.token_ids) for o in last.outputs) if last else 0
     done: dict[str, Any] = {
-        "type": "done", "id": rid, "status": STATUS.get(reason, "failed"),
+        "type": "done", "id": live.rid, "status": STATUS.get(reason, "failed"),
         "finish_reason": FINISH.get(reason, "error"),
-        "usage": {"prompt_tokens": len(adm.stream.output.prompt_token_ids),
+        "usage": {"prompt_tokens": len(live.stream.output.prompt_token_ids),
                   "completion_tokens": completion,
                   "cached_tokens": cached_tokens(last)},
-        "timings": track.summary(completion, adm.stream.queue_time),
+        "timings": live.track.summary(completion, live.stream.queue_time),
     }
     spec = last.spec if last is not None else None
     if spec is not None:
@@ -198,7 +206,7 @@ def done_frame(rid: str, adm: Admission, last: RequestOutput | None, reason: str
         calls_out: list[dict[str, Any]] = []
         content: list[str | None] = []
         for i, o in enumerate(last.outputs):
-            stream = (calls or {}).get(i)
+            stream = calls.get(i)
             if stream is None:
                 stream = CallStream(tools.constrained)
                 stream.push(o.text)

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 
 from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                     MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, MAX_TOKENS, MAX_TOP_K)
-from service.openai_api import MAX_PROMPT_SAMPLES
+from service.openai_request import MAX_PROMPT_SAMPLES
 from service.protocol import MAX_MESSAGES
 from service.vllm_api import _version
 

@@ -22,7 +22,7 @@ import uvicorn
 
 from service.app import create_app, drain
 from service.config import Limits, ServiceConfig
-from service.transport import WRITE_FRAME, FrameWriterProtocol  # noqa: F401 - re-exported
+from service.transport import FrameWriterProtocol
 
 HARD_CAP_FACTOR = 4  # the protocol layer's message size cap, in max_message_bytes
 log = logging.getLogger("tidewire.service")

@@ -10,9 +10,11 @@ Server side (built into uvicorn by service/server.py):
 - `_TellingServerProtocol` is set as the class of the websockets `ServerProtocol` that
   uvicorn builds (`conn.__class__`), to send an error frame before a 1009 close.
 
-App side (service/sender.py):
-- `asgi_send_of`: the server's ASGI send as service.app.RawSend stashed it (no
-  Starlette per-message checks), else Starlette's public `WebSocket.send`;
+App side (service/sink.py, AsgiSink: nothing else calls these):
+- `RawSend`: the app's outermost ASGI layer (service.app.create_app), which stashes the
+  server's own send in a WebSocket's scope;
+- `asgi_send_of`: the server's ASGI send as RawSend stashed it (no Starlette
+  per-message checks), else Starlette's public `WebSocket.send`;
 - `frame_writer_of`: FrameWriterProtocol.write_frame, else None (the ASGI send only);
 - `start_send` / `drive_send`: step an ASGI send coroutine by hand, the way an asyncio
   Task does (`_asyncio_future_blocking`), so a frame can go out synchronously inside
@@ -27,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from starlette.applications import Starlette
 from starlette.websockets import WebSocket
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import CloseCode
@@ -96,7 +99,7 @@ class FrameWriterProtocol(WebSocketsSansIOProtocol):
     connection is lost, we sent a close, permessage-deflate is on, or the transport is
     paused by flow control. The
     caller then awaits the ASGI send for that frame, and must send nothing else on the
-    socket until that send returns (service.sender.Sender keeps that order)."""
+    socket until that send returns (service.sink.AsgiSink keeps that order)."""
 
     _paused = False  # the transport is over its high-water mark (flow control)
 
@@ -145,7 +148,22 @@ class FrameWriterProtocol(WebSocketsSansIOProtocol):
 
 # -- the app's side ---------------------------------------------------------------------------
 
-ASGI_SEND = "tidewire.asgi_send"  # the scope key service.app.RawSend stashes the send under
+ASGI_SEND = "tidewire.asgi_send"  # the scope key RawSend stashes the send under
+
+
+class RawSend:
+    """Outermost ASGI layer: puts the server's own `send` into a WebSocket's scope, so
+    the socket's hot path (a data frame per stream per step) can call it directly,
+    without the per-message wrappers of Starlette's middleware stack."""
+
+    def __init__(self, app: Starlette) -> None:
+        self.app = app
+        self.state = app.state
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] == "websocket":
+            scope[ASGI_SEND] = send
+        await self.app(scope, receive, send)
 
 
 def asgi_send_of(ws: WebSocket) -> Callable[[dict[str, Any]], Any]:

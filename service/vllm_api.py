@@ -10,7 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from service.gateway import Gateway
-from service.openai_api import _body, _inputs, error_response
+from service.openai_api import error_response
+from service.openai_request import inputs, read_body
 from service.protocol import ProtocolError
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -76,7 +77,7 @@ async def detokenize(request: Request) -> Response:
 async def _request(gw: Gateway, request: Request, fields: set[str]) -> dict[str, Any]:
     """Authenticated, a JSON object with known fields only, for the served model."""
     gw.authenticate(request.headers.get("authorization"))
-    body = await _body(request)
+    body = await read_body(request)
     unknown = sorted(set(body) - fields)
     if unknown:
         raise ProtocolError("invalid_request", f"unknown parameter(s): {', '.join(unknown)}")
@@ -103,7 +104,7 @@ def _tokenize(gw: Gateway, body: dict[str, Any], any_thread: bool = False) -> li
             if special:
                 return _encode_special(gw, prompt, any_thread)
             return eng.tokenize(prompt, any_thread)
-        messages = _inputs(body, chat=True)[1]
+        messages = inputs(body, chat=True)[1]
         generation = _flag(body, "add_generation_prompt", True)
         if special:  # the rendered conversation, encoded as a prompt is
             text = _tokenizer(gw).apply_chat_template(messages, tokenize=False,

@@ -49,12 +49,23 @@ def _release_memory_after_each_module():
     """After each test file: collect what its engines and servers left (an engine's
     tier worker and block pool form a cycle only the cyclic GC frees; two passes, as
     the first runs the finalizer that stops the worker) and hand freed heap back to the
-    OS, so that one file's models do not add to the next one's peak."""
+    OS, so that one file's models do not add to the next one's peak. (What survives is
+    not frozen: an engine that outlives its file, freed later in a cycle, would never be
+    collected; measured, freezing here doubled the suite's peak to 7 GB.)"""
     yield
     gc.collect()
     gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection made live for the whole run (gc.freeze: out of every later
+    collection's scan): torch, transformers and the test modules, ~400k objects that each
+    full collection, automatic or per file, walked again (0.4 s a pass). No engine
+    exists yet, so nothing frozen here is freed later in a cycle."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")

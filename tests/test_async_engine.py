@@ -1,4 +1,4 @@
-"""AsyncEngine: the engine thread, its inbox, per-step publishing, abort."""
+"""AsyncEngine over a real engine thread: streams, per-step publishing, abort, stats."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ async def test_a_model_that_fails_to_load_raises_and_releases_the_wake_socket(tm
     with pytest.raises(FileNotFoundError):
         await engine.start()
     assert not engine.running
-    assert engine._wake_r is not None and engine._wake_r.fileno() == -1  # closed, unwatched
+    assert engine._outbox is not None and engine._outbox.closed  # closed, unwatched
     await engine.shutdown()  # a no-op, not an error
 
 
@@ -190,7 +190,7 @@ async def test_async_output_sends_a_step_once_the_next_decode_graph_runs(
     replays = 0
     sent: dict[str, int] = {}
     seen: list[tuple[int, int, bool]] = []  # (tokens sent so far, replays then, finished)
-    run, publish = graphs.run, engine._publish
+    run, publish = graphs.run, engine._engine_thread._publish
 
     def counting_run(*args):  # noqa: ANN002, ANN202 - both wrappers run on the engine thread
         nonlocal replays
@@ -204,7 +204,7 @@ async def test_async_output_sends_a_step_once_the_next_decode_graph_runs(
         publish(outs)
 
     graphs.run = counting_run
-    engine._publish = recording_publish  # type: ignore[method-assign]
+    engine._engine_thread._publish = recording_publish  # type: ignore[method-assign]
     try:
         results = await asyncio.gather(*(collect(engine, p, params, f"g{i}")
                                          for i, p in enumerate(prompts)))
@@ -291,7 +291,7 @@ def test_queued_adds_the_requests_the_engine_thread_has_not_taken() -> None:
     from engine.stats import EngineStats
 
     engine = AsyncEngine(EngineConfig())  # not started: only the loop-side arithmetic
-    engine._stats = EngineStats(waiting=2, adds_taken=3)
+    engine._engine_thread.stats = EngineStats(waiting=2, adds_taken=3)
     engine._adds_sent = 5  # two sent since the snapshot
     assert engine.queued() == 4
 
@@ -324,24 +324,3 @@ def test_the_service_never_reads_engine_internals() -> None:
         text = path.read_text()
         for name in ("engine.engine", ".scheduler", "kv_offload", "engine.offload", "engine.kv."):
             assert name not in text, f"{path.name} reads {name}"
-
-
-def test_heap_trimmer_trims_on_schedule_when_enough_is_free() -> None:
-    """Between steps, at most once per `every` seconds (an injected clock), and only
-    when the heap keeps at least `min_free` bytes free: the RSS high-water steps of a
-    long soak go back to the OS."""
-    from engine.runtime import HeapTrimmer, malloc_stats
-
-    now = [0.0]
-    t = HeapTrimmer(every=60.0, min_free=0, clock=lambda: now[0])
-    t.enabled = malloc_stats() is not None  # glibc (the tuned server's case)
-    if not t.enabled:
-        pytest.skip("not glibc")
-    assert not t.maybe()  # not yet time
-    now[0] = 60.0
-    assert t.maybe() and t.trims == 1 and t.seconds > 0
-    now[0] = 90.0
-    assert not t.maybe()  # once a minute at most
-    picky = HeapTrimmer(every=1.0, min_free=1 << 50, clock=lambda: now[0] + 5)
-    picky.enabled = True
-    assert not picky.maybe() and picky.trims == 0  # too little free to bother

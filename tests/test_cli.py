@@ -212,7 +212,8 @@ def test_serve_help_does_not_show_api_keys_from_the_environment(monkeypatch, cap
 def test_kv_tier_secret_reaches_the_tier_and_is_never_shown(monkeypatch, capsys) -> None:
     """From the environment (or the flag) into TierConfig.secret, for serve and generate;
     neither --help nor the config's repr shows it."""
-    from service.cli import build_parser, engine_config
+    from service.cli import build_parser
+    from service.cli.engine_flags import engine_config
 
     monkeypatch.setenv("TIDEWIRE_KV_TIER_SECRET", "tw-shared-7f3a")
     for argv in (["serve"], ["generate", "hi"]):
@@ -287,3 +288,19 @@ def test_serve_log_level_sets_tidewire_and_uvicorn_levels_not_the_libraries(monk
         assert tidewire.level == logging.getLevelName(level.upper())
     monkeypatch.setenv("TIDEWIRE_LOG_LEVEL", "error")
     assert main(["serve", "--port", "0"]) == 0 and got["log_level"] == "error"
+
+
+def test_service_config_carries_the_serve_flags() -> None:
+    from service.cli import build_parser
+    from service.cli.serve import service_config
+
+    a = build_parser().parse_args([
+        "serve", "--max-queue", "7", "--api-keys", "k1:team", "--served-model-name", "m2",
+        "--allowed-origins", "https://a.test,https://b.test", "--max-compiles-per-key", "2",
+        "--resume-grace", "0", "--metrics-key", "mk", "--shutdown-grace", "3"])
+    cfg = service_config(a)
+    assert (cfg.limits.max_queue, cfg.limits.max_compiles_per_key) == (7, 2)
+    assert cfg.limits.resume_grace == 0 and cfg.shutdown_grace == 3
+    assert cfg.api_keys == {"k1": "team"} and cfg.metrics_key == "mk"
+    assert cfg.allowed_origins == ("https://a.test", "https://b.test")
+    assert cfg.model_name == "m2" and cfg.engine.model == a.model

@@ -65,7 +65,7 @@ def test_engine_config_is_one_class_wherever_it_is_imported_from() -> None:
 
 def test_dtype_names_are_the_engines_torch_dtypes() -> None:
     from engine.config import DTYPE_NAMES
-    from engine.llm_engine import DTYPES
+    from engine.platform import DTYPES
 
     assert set(DTYPE_NAMES) == set(DTYPES)
 
@@ -265,7 +265,7 @@ def unreached(command: str, build: Callable[[argparse.Namespace], EngineConfig])
 
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_every_engine_flag_reaches_the_engine_config(no_env, command) -> None:
-    from service.cli import engine_config
+    from service.cli.engine_flags import engine_config
 
     flags = engine_flags(_command(command))
     assert {"--kv-tier-ttl", "--model", "--seed", "--block-size", "--threads"} <= set(flags)
@@ -280,7 +280,7 @@ def test_generate_has_every_engine_flag_of_serve() -> None:
 def test_the_flag_check_catches_a_dropped_flag(no_env) -> None:
     """What `tidewire generate` built before its config came from engine_config: the
     tier's TTL dropped, whatever --kv-tier-ttl said."""
-    from service.cli import engine_config
+    from service.cli.engine_flags import engine_config
 
     def old_generate(a: argparse.Namespace) -> EngineConfig:
         cfg = engine_config(a)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine import SamplingParams
-from engine.async_engine import RequestStream
+from engine.request_stream import RequestStream
 from engine.outputs import StepOutput
 from engine.request import Request
 from service.delivery import Live, Timings, done_frame, replay, step_frames
@@ -57,9 +57,9 @@ def test_done_frame_counts_every_sample_and_maps_the_finish() -> None:
     live, stream, _ = _live()
     stream._push(_step([7, 8], "ab", finished=True))
     step_frames(live, lambda *a: None)
-    done = done_frame(live.rid, live.adm, live.last, "length", live.track)
+    done = done_frame(live, "length")
     assert done["status"] == "completed" and done["finish_reason"] == "length"
     assert done["usage"]["completion_tokens"] == 2 and done["usage"]["prompt_tokens"] == 3
     assert set(done["timings"]) == {"queue_ms", "ttft_ms", "tokens_per_s", "total_ms"}
-    aborted = done_frame(live.rid, live.adm, live.last, "abort", live.track)
+    aborted = done_frame(live, "abort")
     assert aborted["status"] == "cancelled" and aborted["finish_reason"] == "cancelled"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from service.cli import build_parser, engine_config
+from service.cli import build_parser
+from service.cli.engine_flags import engine_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.build import quant_cache_path
 from tests.conftest import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -102,7 +103,7 @@ def test_eos_stops_unless_ignored(tiny_models) -> None:
     free_run = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0,
                                                      ignore_eos=True))[0].token_ids
     eos = free_run[5]  # pretend the 6th token is EOS
-    llm.engine.eos_token_ids = frozenset({eos})
+    llm.engine.inputs.eos_token_ids = frozenset({eos})
     stopped = llm.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0))[0]
     first = free_run.index(eos)
     assert stopped.token_ids == free_run[: first + 1] and stopped.finish_reason == "stop"
@@ -185,15 +186,15 @@ def test_aborting_a_parked_request_finishes_it(tiny_models) -> None:
 
 def test_auto_dtype_follows_the_cpu(tiny_models) -> None:
     """auto = bfloat16 only where the CPU computes bf16 natively (AVX512-BF16 / AMX)."""
-    from engine.llm_engine import fast_dtype
+    from engine.platform import auto_dtype, read_cpu_flags
 
     flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     native = bool({"avx512_bf16", "amx_bf16"} & set(flags))
-    assert fast_dtype("cpu") == ("bfloat16" if native else "float32")
-    assert fast_dtype("cuda") == "bfloat16"
+    assert auto_dtype("cpu", read_cpu_flags()) == ("bfloat16" if native else "float32")
+    assert auto_dtype("cuda", read_cpu_flags()) == "bfloat16"
     llm = LLM(model=str(tiny_models("llama", 0)))
-    assert llm.engine.dtype_name == fast_dtype("cpu")
-    assert str(llm.engine.dtype) == f"torch.{fast_dtype('cpu')}"
+    assert llm.engine.dtype_name == auto_dtype("cpu", read_cpu_flags())
+    assert str(llm.engine.dtype) == f"torch.{auto_dtype('cpu', read_cpu_flags())}"
 
 
 @pytest.mark.parametrize("model", ["llama-gqa", "llama-fused", "qwen2-fused-bias"])
@@ -224,16 +225,17 @@ def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model
                dict(max_num_batched_tokens=16)):  # chunks whose LM head has no row
         llm = LLM(model=str(src), dtype="float32", quantization="int8", debug=True, **kw)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
-    assert llm.engine._quant_cache().exists()  # the second LLM loaded the first's int8 file
+    # the second LLM loaded the first's int8 file
+    assert quant_cache_path(llm.engine.config, llm.engine.model_dir).exists()
     assert llm.engine.runner.model.layers[0].qkv.q.dtype == torch.int8
 
 
 def test_compiled_cpu_decode_step_is_exact_and_falls_back_past_eight_sequences(tiny_models):
-    """The compiled decode step (engine/cpu_step.py) runs steps of 1-8 decodes; 12 at once
+    """The compiled decode step (engine/compiled_step.py) runs steps of 1-8 decodes; 12 at once
     run eagerly; both equal HF, and equal the step-by-step eager engine."""
     path = tiny_models("llama", 2, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
     llm = LLM(model=str(path), dtype="float32", debug=True)
-    step = llm.engine.runner.cpu_step
+    step = llm.engine.runner.compiled_step
     if step is None:
         pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
     prompts = random_prompts(12, 3, 50, 320, seed=31)
@@ -243,7 +245,7 @@ def test_compiled_cpu_decode_step_is_exact_and_falls_back_past_eight_sequences(t
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     assert step.steps == GREEDY.max_tokens - 1  # 12 decodes a step: all eager
     eager = LLM(model=str(path), dtype="float32", enforce_eager=True)
-    assert eager.engine.runner.cpu_step is None
+    assert eager.engine.runner.compiled_step is None
     assert [o.token_ids for o in eager.generate(prompts[:5], GREEDY)] == want[:5]
 
 
@@ -253,12 +255,12 @@ def test_compiled_decode_step_splits_a_long_context_and_merges_it_exactly(tiny_m
     path = tiny_models("llama", 4, hidden_size=96, num_attention_heads=3, num_key_value_heads=1,
                        max_position_embeddings=2048)
     llm = LLM(model=str(path), dtype="float32", debug=True)
-    if llm.engine.runner.cpu_step is None:
+    if llm.engine.runner.compiled_step is None:
         pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
     prompt = random_prompts(1, 1500, 1500, 320, seed=41)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate(prompt, params)] == hf_greedy(path, prompt, 6)
-    assert llm.engine.runner.cpu_step.steps == 5
+    assert llm.engine.runner.compiled_step.steps == 5
 
 
 def test_compiled_decode_step_in_bf16_agrees_with_the_eager_engine(tiny_models) -> None:

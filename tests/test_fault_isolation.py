@@ -106,14 +106,15 @@ async def test_a_fault_while_adding_fails_that_request_alone(tiny_models) -> Non
     await engine.start()
     try:
         eng = engine.engine
-        real = eng._add
+        life = eng.lifecycle
+        real = life._add
 
         def add_once(req):  # noqa: ANN001, ANN202
-            eng._add = real
+            life._add = real  # type: ignore[method-assign]
             real(req)  # half-registered, then the fault
             raise KeyError("injected")
 
-        eng._add = add_once
+        life._add = add_once  # type: ignore[method-assign]
         n3 = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, n=3)
         outs = await collect(engine, [5, 6, 7, 8, 9], n3, "bad")
         assert outs[-1].finished and [o.finished for o in outs].count(True) == 1

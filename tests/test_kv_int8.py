@@ -48,7 +48,7 @@ def _fake_q8(x: torch.Tensor) -> torch.Tensor:
 
 
 def decode_queries_int8(head_dim: int, group: int, block_size: int) -> bool:
-    """Whether the engine's decode items take the integer kernel (attention_q8.h)."""
+    """Whether the engine's decode items take the integer kernel (attention_decode.h)."""
     return (cpu_ops.q8_decode_quantizes_queries() and head_dim % 64 == 0 and group <= 8
             and block_size % 16 == 0)
 
@@ -103,7 +103,7 @@ def test_int8_kv_matches_hf_on_an_int8_cache(tiny_models, model: str, regime: st
     llm = LLM(model=str(path), dtype="float32", kv_cache_dtype="int8", debug=True, **kw)
     assert llm.engine.runner.kv.dtype == torch.uint8
     if regime == "one-big-batch":
-        assert llm.engine.runner.cpu_step is not None
+        assert llm.engine.runner.compiled_step is not None
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     group = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
     prompts = random_prompts(6, 3, 60, 320, seed=17)
@@ -114,7 +114,7 @@ def test_int8_kv_matches_hf_on_an_int8_cache(tiny_models, model: str, regime: st
         assert g.token_ids == w, f"prompt {i} (len {len(prompts[i])}) diverged"
     assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
     if regime == "one-big-batch":  # 6 sequences: every decode step ran compiled
-        assert llm.engine.runner.cpu_step.steps == GREEDY.max_tokens - 1
+        assert llm.engine.runner.compiled_step.steps == GREEDY.max_tokens - 1
     if regime == "preemption":
         assert llm.engine.scheduler.num_preemptions > 0
     llm.close()
@@ -130,7 +130,7 @@ def test_int8_kv_compiled_step_splits_a_long_context_and_matches_hf(tiny_models)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     want = hf_greedy_q8(path, prompt, 6, decode_queries_int8(64, 2, 16))
     assert [o.token_ids for o in llm.generate(prompt, params)] == want
-    assert llm.engine.runner.cpu_step.steps == 5
+    assert llm.engine.runner.compiled_step.steps == 5
     llm.close()
 
 

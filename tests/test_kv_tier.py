@@ -386,7 +386,7 @@ def test_no_leaks_after_1000_requests_with_tier_traffic(tiny_models) -> None:
         assert eng.kv.num_free_blocks == eng.num_blocks
         assert mem.used <= mem.capacity
     assert not eng.scheduler.requests and not eng.scheduler.loading and not off._loads
-    assert not eng._detoks and not eng.runner._generators and not eng._children
+    assert not len(eng.outputs) and not eng.runner._generators and not eng.lifecycle.parents
     assert mem.stats.hits > 100 and off.stats.written_blocks > 100  # it really cycled
     # the write-dedupe set is bounded by the blocks the tier can hold (older entries are
     # surely stale), not by its 2**18 ceiling (~45 MB, which grew a soak's heap)

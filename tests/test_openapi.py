@@ -47,7 +47,7 @@ def test_the_document_is_served_and_names_every_openai_endpoint(api) -> None:
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
             "/v1/warm", "/health", "/ready"} <= set(doc["paths"])
     # the request schemas list the fields the handlers take, and no others
-    from service.openai_api import FIELDS
+    from service.openai_request import FIELDS
 
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     plain = doc["components"]["schemas"]["CompletionRequest"]["properties"]

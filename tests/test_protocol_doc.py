@@ -454,6 +454,38 @@ def test_documented_metrics_are_the_ones_exported() -> None:
         assert row[1] == exported[name], name
 
 
+# -- the README's Layout ----------------------------------------------------------------
+
+MODULE_NAME = re.compile(r"[a-z_][a-z0-9_]*/?")
+
+
+def package_modules(pkg: Path) -> set[str]:
+    """Every module and subpackage under `pkg`, by its last name (`runner`, `attention/`)."""
+    out = {p.stem for p in pkg.rglob("*.py") if p.name != "__init__.py"}
+    out |= {f"{p.parent.name}/" for p in pkg.rglob("__init__.py") if p.parent != pkg}
+    return out
+
+
+def test_readme_layout_names_every_module_and_only_modules_that_exist() -> None:
+    """A row of the Layout table whose path is a Python package names, in backticks,
+    each of its modules (and subpackages, with a slash); a lowercase backticked word in
+    such a row is a module that exists. Every other path in the first column exists."""
+    rows = table((ROOT / "README.md").read_text(), "## Layout")
+    packages = 0
+    for row in rows:
+        for path in names(row[0]):
+            assert (ROOT / path.rstrip("/")).exists(), f"README Layout: no {path}"
+            pkg = ROOT / path.rstrip("/")
+            if not (path.endswith("/") and (pkg / "__init__.py").exists()):
+                continue
+            packages += 1
+            have = package_modules(pkg)
+            said = {n for n in TICKED.findall(row[1]) if MODULE_NAME.fullmatch(n)}
+            assert said <= have, f"README Layout {path} names no such module: {said - have}"
+            assert have <= said, f"README Layout {path} leaves out: {sorted(have - said)}"
+    assert packages >= 4
+
+
 # -- links ---------------------------------------------------------------------------------
 
 DOC_FILES = ["README.md", "clients/python/README.md",

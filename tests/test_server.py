@@ -22,7 +22,8 @@ from websockets.asyncio.client import connect
 
 from engine import EngineConfig
 from service.config import ServiceConfig
-from service.server import WRITE_FRAME, FrameWriterProtocol, build_server, redact_query
+from service.server import build_server, redact_query
+from service.transport import WRITE_FRAME, FrameWriterProtocol
 from tests.servers import (ServeProcess, free_port, http_get, request_until, run_server,
                            uvicorn_logs_to)
 

@@ -602,7 +602,7 @@ async def test_resume_after_a_drop_continues_the_stream_exactly(server) -> None:
             deltas.append(m)
     await ws.close()
     await wait_free(server)  # parked: out of the batch, every block back in the pool
-    assert "story" in server.gateway.parked.detached[ready_sid].lives
+    assert "story" in server.gateway.parked.sockets[ready_sid].lives
     kept = deltas[:2]  # pretend the last two deltas were lost with the connection
     ws, c = await open_client(server)
     async with ws:
@@ -628,7 +628,7 @@ async def test_resume_after_a_drop_continues_the_stream_exactly(server) -> None:
         await c.send({"type": "resume", "id": "story", "after_seq": 0, "session_id": ready_sid})
         err = await c.recv()
         assert err["type"] == "error" and err["code"] == "invalid_request"
-    assert ready_sid not in server.gateway.parked.detached
+    assert ready_sid not in server.gateway.parked.sockets
     await wait_free(server)
 
 
@@ -710,7 +710,7 @@ async def test_a_resume_ahead_of_the_old_sockets_close_waits_for_it(tiny_models,
     """A client that reconnects at once can send its resume before this server has seen
     the old socket close: the resume waits for that close (then reattaches), and gives
     up with invalid_request when the old socket stays open."""
-    import service.session
+    import service.resume
 
     with run_server(resumable(tiny_models)) as s:
         old, c_old = await open_client(s)
@@ -734,7 +734,7 @@ async def test_a_resume_ahead_of_the_old_sockets_close_waits_for_it(tiny_models,
             assert msgs[-1]["status"] == "completed"
             assert msgs[-1]["usage"]["completion_tokens"] == 40
         # an old socket that never closes: the resume gives up after the wait
-        monkeypatch.setattr(service.session, "RESUME_WAIT_SECONDS", 0.3)
+        monkeypatch.setattr(service.resume, "RESUME_WAIT_SECONDS", 0.3)
         old, c_old = await open_client(s)
         async with old:
             sid = c_old.ready["session_id"]
@@ -762,7 +762,7 @@ async def test_a_done_written_just_before_a_drop_can_be_resumed(tiny_models) -> 
                       "params": {"max_tokens": 5, "ignore_eos": True}})
         session = next(x for x in s.gateway.sessions if x.session_id == sid)
         deadline = asyncio.get_running_loop().time() + 30
-        while "s" not in session.recent:  # its done is written; this client never reads it
+        while "s" not in session.streams.recent:  # its done is written; this client never reads it
             assert asyncio.get_running_loop().time() < deadline, "never finished"
             await asyncio.sleep(0.01)
         await ws.close()
@@ -782,7 +782,7 @@ async def test_ended_requests_leave_an_idle_socket_after_the_resume_window(tiny_
     """An ended request stays resumable for RECENT_DONE_SECONDS after its done was
     written, then the socket forgets it even if it never sends or ends anything again
     (before, each socket kept its last 64 ended requests' outputs for its lifetime)."""
-    from service.session import RECENT_DONE_SECONDS
+    from service.streams import RECENT_DONE_SECONDS
 
     with run_server(resumable(tiny_models)) as s:
         ws, c = await open_client(s)
@@ -791,11 +791,11 @@ async def test_ended_requests_leave_an_idle_socket_after_the_resume_window(tiny_
                       "params": {"max_tokens": 3, "ignore_eos": True}})
         await c.until_done({"t"})
         session = next(x for x in s.gateway.sessions if x.session_id == sid)
-        await apoll(lambda: "t" in session.recent, 30, "its done recorded as written")
-        later = session.recent["t"][1] + RECENT_DONE_SECONDS + 0.5
-        session.clock = lambda: later
+        await apoll(lambda: "t" in session.streams.recent, 30, "its done recorded as written")
+        later = session.streams.recent["t"][1] + RECENT_DONE_SECONDS + 0.5
+        session.streams.clock = lambda: later
         # the socket's watchdog expires it (about once a second)
-        await apoll(lambda: not session.recent, 10, "an idle socket forgetting its ended request")
+        await apoll(lambda: not session.streams.recent, 10, "an idle socket forgetting its ended request")
         await ws.close()
         await wait_free(s)
         ws, c = await open_client(s)

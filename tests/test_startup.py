@@ -22,7 +22,7 @@ import urllib.request
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-import engine.llm_engine
+import engine.build
 from engine import EngineConfig
 from engine.loader import sampling_defaults
 from engine.progress import LoadProgress
@@ -186,13 +186,13 @@ def test_a_model_that_fails_to_load_stops_the_server_with_status_1(tmp_path: Pat
 
 def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) -> None:
     release = threading.Event()
-    real = engine.llm_engine.resolve_model
+    real = engine.build.resolve_model
 
     def slow_resolve(name: str) -> Path:
         assert release.wait(60)
         return real(name)
 
-    monkeypatch.setattr(engine.llm_engine, "resolve_model", slow_resolve)
+    monkeypatch.setattr(engine.build, "resolve_model", slow_resolve)
     port = free_port()
     ui = "https://ui.example"
     server = build_server(ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama"))),
@@ -255,14 +255,14 @@ def _engine_threads() -> list[threading.Thread]:
 def test_stopping_while_the_model_loads_leaves_no_engine_behind(tiny_models, monkeypatch
                                                                  ) -> None:
     release, entered = threading.Event(), threading.Event()
-    real = engine.llm_engine.resolve_model
+    real = engine.build.resolve_model
 
     def slow_resolve(name: str) -> Path:
         entered.set()
         assert release.wait(60)
         return real(name)
 
-    monkeypatch.setattr(engine.llm_engine, "resolve_model", slow_resolve)
+    monkeypatch.setattr(engine.build, "resolve_model", slow_resolve)
     before = set(_engine_threads())
     config = ServiceConfig(engine=EngineConfig(model=str(tiny_models("llama"))),
                            shutdown_grace=0.2)

@@ -289,7 +289,7 @@ def test_compile_runs_off_the_engine_thread(llm: LLM, monkeypatch: pytest.Monkey
 
     while "free" not in finished:
         step()
-        assert held.request_id not in eng.scheduler.requests and held in eng._compiling
+        assert held.request_id not in eng.scheduler.requests and held in eng.compiles
     release.set()
     while eng.has_unfinished():
         step()

@@ -6,9 +6,9 @@ first), then the prefill chunks (several query tokens each, possibly after cache
 context). The runner describes the step once in a backend-neutral `StepLayout`; the
 backend turns it into its own metadata, which every layer reuses.
 
-This module is the backend-neutral part: the step description, the interface and
-`get_backend`, which imports the backend asked for (engine/attention/cpu.py,
-engine/attention/triton.py), so this module imports neither.
+This module is the backend-neutral part: the step description and the interface. The
+backends are engine/attention/cpu.py and engine/attention/triton.py; engine/platform.py
+chooses one (ATTENTION_BACKENDS) and constructs it.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ class AttentionBackend(ABC):
     """Interface: a cache layout, metadata, a cache write and paged attention."""
 
     name = "abstract"
-    # Whether the model should also run the fused Triton RMSNorm / RoPE / SiLU-mul.
-    fused_ops = False
     # Where the weights, the KV cache and the step's tensors live (sampling stays on
     # the CPU: the logits rows come back once per step).
     device = "cpu"
@@ -116,19 +114,3 @@ class PagedMetadata:
     query_start: torch.Tensor  # [num_seqs + 1] int32
     num_decodes: int = 0  # sequences [0, num_decodes) are decode steps
 
-
-BACKENDS = ("cpu", "cuda", "triton-interpret")
-
-
-def get_backend(name: str) -> type[AttentionBackend]:
-    """cpu (torch, tuned for CPUs), cuda (Triton kernels), triton-interpret (the Triton
-    kernels under Triton's interpreter, on the CPU: slow, for tests)."""
-    if name == "cpu":
-        from engine.attention.cpu import CpuAttention
-
-        return CpuAttention
-    if name in ("cuda", "triton-interpret"):
-        from engine.attention.triton import TritonAttention, TritonInterpretAttention
-
-        return TritonAttention if name == "cuda" else TritonInterpretAttention
-    raise ValueError(f"unknown attention_backend {name!r}; choose from {list(BACKENDS)}")

@@ -1,6 +1,7 @@
 """The `cpu` attention backend: the compiled paged-attention kernel of
-kernels/cpu_ops.py, or, where it does not build, a torch fallback (SDPA over gathered
-cache blocks). The backend-neutral parts are in engine/attention/base.py.
+kernels/cpu_ops.py, or, where the platform cannot run it (engine/platform.py), a torch
+fallback (SDPA over gathered cache blocks). The backend-neutral parts are in
+engine/attention/base.py.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend, PagedMetadata, PrefillSpec, StepLayout
 from kernels import cpu_ops
 from kernels import reference as ref
-
-PAGED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # what the compiled kernel takes
 
 
 def bucket_decodes(num_blocks: list[int], min_rows: int = 8, ratio: float = 0.5,
@@ -82,21 +81,18 @@ class CpuAttention(AttentionBackend):
     kv_cache_dtypes = ("auto", "int8")
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto",
-                 compiled: bool | None = None):
-        """`compiled`: use the compiled kernels (default: where they build and take this
-        head_dim)."""
+                 dtype: torch.dtype = torch.float32, kv_cache_dtype: str = "auto", *,
+                 compiled: bool):
+        """`compiled`: run the compiled kernels (Platform.plan decides: they loaded, and
+        take this dtype and head_dim)."""
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype)
-        if compiled is None:
-            compiled = (head_dim in PAGED_HEAD_DIMS and dtype in (torch.float32, torch.bfloat16)
-                        and cpu_ops.available())
         self.compiled = compiled
         self.q8 = kv_cache_dtype == "int8"
         if self.q8:
             if not compiled:
                 raise ValueError("kv_cache_dtype int8 needs Tidewire's compiled CPU kernels (a "
                                  "C++ compiler; see docs/cpu-engine.md), fp32 or bf16 weights "
-                                 f"and a head_dim in {PAGED_HEAD_DIMS}")
+                                 f"and a head_dim in {cpu_ops.PAGED_HEAD_DIMS}")
             self.cache_dtype = torch.uint8
         # Gather buffers reused by every layer and step: a fresh multi-MB tensor per
         # gather costs page faults that take longer than the copy itself.

@@ -53,11 +53,6 @@ class TritonAttention(AttentionBackend):
             raise ValueError("attention_backend 'cuda' needs a CUDA device; use 'cpu', or "
                              "'triton-interpret' to run the Triton kernels on the CPU")
 
-    @property
-    def fused_ops(self) -> bool:  # type: ignore[override]  # a plain attribute in the base
-        """The model also runs the fused RMSNorm / RoPE / SiLU-mul kernels."""
-        return True
-
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 

@@ -1,6 +1,10 @@
-// Tidewire's CPU operators, registered as torch.ops.tidewire.*. Each has a torch
-// reference in kernels/reference.py and a parity test in tests/test_cpu_ops.py; the
-// Python wrappers in kernels/cpu_ops.py document the layouts.
+// Tidewire's CPU operators, registered as torch.ops.tidewire.*: argument checks and the
+// dispatch on dtype, head_dim and cache format; the kernels are the headers beside it
+// (attention.h, decode_step.h, elementwise.h, linear.h). kernels/cpu_ops.py compiles
+// this file with -march=native on the machine that runs it, so each header's ISA
+// branches are settled by the build. The Python wrappers there document the layouts;
+// torch references are in kernels/reference.py, parity tests in tests/test_cpu_ops*.py
+// (decode_step's against the engine's own model, tests/test_engine_parity.py).
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 

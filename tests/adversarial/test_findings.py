@@ -165,9 +165,9 @@ async def test_a_prompt_too_large_for_the_context_is_refused_by_its_size(server)
 def off_loop_above_2k(monkeypatch) -> None:  # noqa: ANN001
     """Prompts over 2,000 bytes are tokenized off the loop (the tiny model's context,
     1,024 tokens, holds no prompt over the real threshold)."""
-    from service import gateway
+    from service import tokenizing
 
-    monkeypatch.setattr(gateway, "INLINE_PROMPT_BYTES", 2000)
+    monkeypatch.setattr(tokenizing, "INLINE_PROMPT_BYTES", 2000)
 
 
 @pytest.fixture
@@ -252,7 +252,7 @@ async def test_parking_space_is_shared_between_keys(server) -> None:
 @pytest.mark.parametrize("where", ["queue_position", "submit_metrics", "started", "render"])
 async def test_a_fault_at_any_step_of_admission_answers_and_leaks_nothing(
         server, off_loop_above_2k, monkeypatch, where) -> None:
-    from service import session as session_mod
+    from service import admission as admission_mod
     from service.metrics import Metrics
 
     def boom(*args, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -265,9 +265,9 @@ async def test_a_fault_at_any_step_of_admission_answers_and_leaks_nothing(
         monkeypatch.setattr(gw, "metrics", Metrics())
         monkeypatch.setattr(gw.metrics.prompt_tokens, "inc", boom)
     elif where == "started":
-        monkeypatch.setattr(session_mod.Session, "_started", boom)
+        monkeypatch.setattr(admission_mod.Admitter, "_started", boom)
     else:
-        monkeypatch.setattr(session_mod.tool_calls, "render", boom)
+        monkeypatch.setattr(admission_mod.tool_calls, "render", boom)
     ws, s = await open_socket(server)
     async with ws:
         for prompt in ("Hello", "word " * 500):  # inline, and off the loop

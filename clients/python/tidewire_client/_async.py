@@ -7,7 +7,7 @@ import itertools
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Union
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Set, Union, cast
 
 import msgpack
 from websockets.asyncio.client import ClientConnection, connect
@@ -75,7 +75,7 @@ class AsyncStream:
         elif isinstance(item, DoneEvent):
             self.done = item
             self._finished = True
-        return item
+        return cast(Event, item)
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
@@ -274,8 +274,8 @@ class AsyncClient:
 
     def _decode(self, data: Union[bytes, str]) -> Dict[str, Any]:
         if self.protocol == "msgpack":
-            return msgpack.unpackb(data)
-        return json.loads(data)
+            return cast(Dict[str, Any], msgpack.unpackb(data))
+        return cast(Dict[str, Any], json.loads(data))
 
     async def _send(self, frame: Dict[str, Any]) -> None:
         ws = self._ws

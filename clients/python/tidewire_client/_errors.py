@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 
 class TidewireError(Exception):
@@ -79,7 +79,7 @@ _BY_CODE = {
 }
 
 
-def error_from_frame(frame: dict) -> APIError:
+def error_from_frame(frame: Dict[str, Any]) -> APIError:
     """The exception for an `error {id?, code, message, retryable}` frame."""
     code = str(frame.get("code", "internal_error"))
     cls = _BY_CODE.get(code, APIError)

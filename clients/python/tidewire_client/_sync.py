@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Coroutine, Iterator, List, Optional, TypeVar, Union
+from typing import Any, Coroutine, Dict, Iterator, List, Optional, TypeVar, Union
 
 from tidewire_client._async import AsyncClient, AsyncStream, Messages
 from tidewire_client._types import Completion, DeltaEvent, Event, WarmResult, parse_output
@@ -112,7 +112,7 @@ class Client:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     @property
-    def ready(self) -> Optional[dict]:
+    def ready(self) -> Optional[Dict[str, Any]]:
         return self._async.ready
 
     def connect(self) -> None:

@@ -1,4 +1,4 @@
-"""Decode steps of 1-8 query tokens as one compiled call (the CPU backend).
+"""Decode steps of 1-8 query tokens as one compiled call (the cpu backend).
 
 The CPU counterpart of engine/cuda_graphs.py. An eager decode step of a small model is
 ~300 torch calls from Python, each forking and joining the OpenMP team: at batch 1 that
@@ -17,23 +17,25 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import PagedMetadata
-from engine.model import CpuOps, Int8Linear, Linear, LlamaModel
+from engine.model import Int8Linear, Linear, LlamaModel
 
 Matmul = Linear | Int8Linear
 
 
-def _weight(lin: Matmul) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """The plain (or int8) weight and scale the compiled step reads, if it has one."""
+def _weight(lin: Matmul) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The plain (or int8) weight and scale (None: none) the compiled step reads."""
     if isinstance(lin, Int8Linear):
         return lin.q, lin.scale
-    if lin.plain is not None:
-        return lin.plain, None
-    if lin._op is None and lin.weight.shape[1] % 16 == 0:  # an unpacked weight: as it is
-        return lin.weight, None
-    return None
+    plain = lin.plain_weight
+    # Platform.plan chooses this step only for weights it can read
+    assert plain is not None, "a packed weight with no plain copy"
+    return plain, None
 
 
-class CpuDecodeStep:
+class CompiledDecodeStep:
+    """A model's decode steps through torch.ops.tidewire.decode_step (chosen by
+    Platform.plan: FastPath.COMPILED_STEP)."""
+
     max_rows = 8  # the compiled kernels' matmuls take 1-8 rows
 
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -43,23 +45,12 @@ class CpuDecodeStep:
         matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up,
                                                          layer.down)] + [model.lm_head]
         pairs = [_weight(m) for m in matmuls]
-        assert all(p is not None for p in pairs), "use CpuDecodeStep.supported() first"
-        self.weights = [p[0] for p in pairs]  # type: ignore[index]
-        self.scales = [p[1] for p in pairs]  # type: ignore[index]
+        self.weights = [w for w, _ in pairs]
+        self.scales = [s for _, s in pairs]
         self.biases = [m.bias for m in matmuls]
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
         self.steps = 0  # decode steps run here (tests check which path ran)
-
-    @staticmethod
-    def supported(model: LlamaModel) -> bool:
-        """Whether the model runs the compiled CPU ops and every matmul has a weight the
-        step can read (bf16 kept plain, fp32, or int8)."""
-        if not isinstance(model.ops, CpuOps):
-            return False
-        matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up,
-                                                         layer.down)] + [model.lm_head]
-        return all(_weight(m) is not None for m in matmuls)
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of this many query tokens runs here (its sequences may have

@@ -1,0 +1,162 @@
+"""Loading an LLMEngine: the platform, the model's files, tokenizer and weights, and
+what loading decides beside them (the EOS ids, the model's sampling defaults, the KV
+pool's size, the int8 weights' cache file, the host tier, the speculator). Functions
+of the config and the loaded model; LLMEngine.__init__ calls them in order."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.block_manager import KVCacheManager
+from engine.config import EngineConfig
+from engine.kv_offload import EvictionLog, KVOffload, kv_fingerprint
+from engine.loader import (cache_root, load_tokenizer, load_weights, resolve_model,
+                           sampling_defaults, weights_checksum)
+from engine.model import ModelArch
+from engine.platform import Platform
+from engine.progress import LoadProgress
+from engine.runner import ModelRunner, prefault_default
+from engine.sampling_params import SamplingParams
+from engine.spec_decode import Speculator, make_speculator
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+log = logging.getLogger("tidewire.engine")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """The model on its platform, with its KV pool (load_model)."""
+
+    platform: Platform
+    model_dir: Path
+    arch: ModelArch
+    tokenizer: Any  # a transformers tokenizer; None: the model has none
+    max_model_len: int
+    num_blocks: int
+    kv: KVCacheManager
+    evicted: EvictionLog | None  # what the pool evicts, for a host tier to copy out
+    runner: ModelRunner
+
+
+def load_model(config: EngineConfig, progress: LoadProgress) -> LoadedModel:
+    """Choose the platform, load the model's files, tokenizer and weights, and allocate
+    the KV cache; `progress` follows the phases."""
+    # chosen once, its settings made on the thread that runs every op of this engine
+    platform = Platform.choose(config)
+    platform.apply()
+    with progress.phase("model files (a GGUF is converted once)"):
+        model_dir: Path = resolve_model(config.model)
+        arch = ModelArch.from_dir(model_dir)
+    with progress.phase("tokenizer"):
+        tokenizer: Any = load_tokenizer(model_dir)
+    max_model_len = min(config.max_model_len or arch.max_context, arch.max_context)
+    cc = config.cache
+    num_blocks = cc.num_blocks or auto_num_blocks(config, arch, platform.dtype, max_model_len)
+    # a host tier hears of every cached block the pool evicts (to copy it out)
+    tiered = config.tier.kind != "none" and cc.enable_prefix_caching
+    evicted = EvictionLog() if tiered else None
+    kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, on_evict=evicted)
+    if platform.runs_cpu_kernels:
+        with progress.phase("CPU kernels (compiled once per machine)"):
+            platform.load_kernels()
+    with progress.phase("weights"):
+        weights = load_weights(model_dir)
+    with progress.phase(f"model and KV cache ({num_blocks} blocks"
+                        f"{', int8 quantization' if config.quantization != 'none' else ''}"
+                        f"{', int8 KV cache' if cc.dtype == 'int8' else ''})"):
+        runner = ModelRunner(
+            arch, weights, platform=platform,
+            block_size=cc.block_size, num_blocks=num_blocks, seed=config.seed,
+            max_num_seqs=config.scheduler.max_num_seqs, max_model_len=max_model_len,
+            quantization=config.quantization,
+            quant_cache=quant_cache_path(config, model_dir),
+            prefault=cc.prefault if cc.prefault is not None else prefault_default(),
+            kv_cache_dtype=cc.dtype)
+        del weights
+    return LoadedModel(platform, model_dir, arch, tokenizer, max_model_len, num_blocks, kv,
+                       evicted, runner)
+
+
+def eos_ids(arch: ModelArch, tokenizer: Any) -> frozenset[int]:
+    """The model's end-of-sequence ids and the tokenizer's."""
+    ids = set(arch.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def model_sampling_defaults(config: EngineConfig, model_dir: Path) -> dict[str, float]:
+    """The model's defaults for unset sampling fields; invalid ones are ignored."""
+    found = sampling_defaults(config.model, model_dir)
+    try:
+        SamplingParams(**found)  # type: ignore[arg-type]  # checked here, at run time
+    except (TypeError, ValueError) as e:
+        log.warning("ignoring the model's sampling defaults %s: %s", found, e)
+        return {}
+    return found
+
+
+def auto_num_blocks(config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
+                    max_model_len: int) -> int:
+    """As many blocks as the memory budget holds, but no more than every sequence slot
+    at full context could use (tiny models would otherwise zero gigabytes)."""
+    bs = config.cache.block_size
+    per_block = arch.kv_bytes_per_block(bs, dtype, config.cache.dtype)
+    budget = config.kv_cache_memory // per_block
+    most = -(-max_model_len // bs) * config.scheduler.max_num_seqs
+    return max(1, min(budget, most))
+
+
+def quant_cache_path(config: EngineConfig, model_dir: Path) -> Path | None:
+    """Where the model's int8 weights are kept once quantized (None: not quantized)."""
+    if config.quantization == "none":
+        return None
+    key = weights_checksum(model_dir)[:16]
+    return cache_root() / "quantized" / f"{key}-{config.quantization}.safetensors"
+
+
+def offload_fingerprint(config: EngineConfig, arch: ModelArch, model_dir: Path,
+                        dtype: torch.dtype) -> bytes:
+    """What the host tier's keys name: blocks of other K/V bytes never share a key."""
+    return kv_fingerprint(
+        arch.model_type, weights_checksum(model_dir),
+        # int8 weights compute other K/V than the same model's bf16 ones; an int8 cache
+        # holds other bytes (and layout) than a bf16 one
+        str(dtype).removeprefix("torch.")
+        + ("" if config.quantization == "none" else f"+w{config.quantization}")
+        + ("" if config.cache.dtype == "auto" else f"+kv{config.cache.dtype}"),
+        config.cache.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)
+
+
+def make_offload(config: EngineConfig, fingerprint: bytes, kv: KVCacheManager,
+                 runner: ModelRunner, evicted: EvictionLog) -> KVOffload:
+    """The host tier behind the device prefix cache."""
+    from cache_store import make_tier
+
+    tc = config.tier
+    tier = make_tier(tc.kind, tc.memory_bytes, tc.redis_url, tc.ttl, tc.io_timeout)
+    assert tier is not None
+    return KVOffload(tier, tc, kv, runner, fingerprint, evicted)
+
+
+def make_engine_speculator(engine: LLMEngine, progress: LoadProgress) -> Speculator | None:
+    """The configured speculator; a draft model loads here, beside the engine's."""
+    sc = engine.config.speculative
+    draft = None
+    if sc.method == "draft":
+        from engine.spec_draft import DraftProposer
+
+        if not sc.draft_model:
+            raise ValueError("speculative decoding with a draft model needs one: "
+                             "--draft-model (draft_model=)")
+
+        with progress.phase(f"draft model {sc.draft_model}"):
+            draft = DraftProposer(engine, sc)
+    return make_speculator(sc, draft)
