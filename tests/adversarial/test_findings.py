@@ -374,11 +374,11 @@ async def test_a_request_prepared_as_its_socket_closes_is_not_started(server,
     ws, sock = await open_socket(server, "key-b")
     await sock.send(gen("late", max_tokens=2,
                         response_format={"type": "choice", "choice": ["late-1", "late-2"]}))
-    await asyncio.wait_for(entered.wait(), 10)
+    await asyncio.wait_for(entered.wait(), 30)
     assert server.gateway.inflight_by_key.get("key-b") == 1  # held while it prepares
     await ws.close()
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + 10
+    deadline = loop.time() + 30
     while server.gateway.inflight_by_key or server.gateway.compiling_by_key:
         assert loop.time() < deadline, (server.gateway.inflight_by_key,
                                         server.gateway.compiling_by_key)
