@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint fuzz chaos scale-out soak spec serve bench clean
+.PHONY: install system-deps test lint fuzz chaos scale-out families soak spec serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -67,6 +67,11 @@ spec: install
 # engine exception mid-step
 chaos: install
 	TIDEWIRE_CHAOS_FULL=1 $(VPY) -m pytest -rs -s tests/chaos
+
+# every model family x engine path x regime against HF transformers (make test runs each
+# family once per path with the regimes combined, the Triton interpreter on three)
+families: install
+	TIDEWIRE_FAMILY_MATRIX=1 $(VPY) -m pytest -rs tests/test_families.py
 
 # replicas behind HAProxy on the default model, with the cross-replica prefix timing
 # (`pytest` with no arguments runs the topology on a tiny model; make test leaves it out)

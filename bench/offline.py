@@ -309,7 +309,7 @@ def main(a: argparse.Namespace) -> int:
     kv_bytes = int(a.kv_cache_memory_gb * (1 << 30))
     if a.profile_long:  # 64 sequences of 2,000 tokens and their decodes
         from engine.loader import resolve_model
-        from engine.model import ModelArch
+        from engine.models.arch import ModelArch
 
         arch = ModelArch.from_dir(resolve_model(a.model))
         dt = torch.float32 if a.dtype == "float32" else torch.bfloat16

@@ -7,6 +7,12 @@ Torch-free. A block is one of three kinds at any time:
   free     ref_cnt == 0, in the free queue, no hash.
 Only full blocks carry a hash. Evicting a cached block (when the pool hands it out
 again) calls `on_evict(block_id, block_hash)` first: the hook for a host tier.
+
+Sliding windows: for a model whose every layer attends to the last W keys only
+(KVCacheManager `window`), a block whose tokens every future query of its request has
+left behind goes back to the pool after each step (published first, so it stays a
+prefix-cache entry until evicted); its table entry becomes RELEASED, whose id (0) the
+attention kernels never read, since they start at each query's window.
 """
 
 from __future__ import annotations
@@ -44,6 +50,10 @@ class KVBlock:
     block_hash: bytes | None = None
     prev: KVBlock | None = None  # free-queue links; both None when not queued
     next: KVBlock | None = None
+
+
+# A table entry whose block went back to the pool behind a sliding window (see above).
+RELEASED = KVBlock(0, ref_cnt=-1)
 
 
 class FreeBlockQueue:
@@ -184,10 +194,17 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         on_evict: Callable[[int, bytes], None] | None = None,
+        window: int = 0,
     ) -> None:
+        """`window`: the model's sliding window where every layer has one (0: none);
+        blocks behind it are released after each step (release_behind_window)."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
+        self.window = window
+        # leading entries of each table already released behind the window
+        self._released: dict[str, int] = {}
+        self.num_released = 0  # blocks released behind windows (a counter for tests)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, on_evict)
         self.tables: dict[str, list[KVBlock]] = {}
@@ -277,12 +294,38 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, req: Request) -> None:
-        """Publish every block whose tokens are all computed (after a step)."""
-        if not self.enable_prefix_caching:
-            return
+        """Publish every block whose tokens are all computed (after a step); then, with a
+        window, release the blocks behind it."""
         table = self.tables.get(req.request_id)
         if not table:
             return
+        if self.enable_prefix_caching:
+            self._publish(req, table)
+        if self.window:
+            self.release_behind_window(req)
+
+    def release_behind_window(self, req: Request) -> None:
+        """Give back the blocks holding only tokens no future query of `req` can see: the
+        next query sits at position num_computed_tokens and sees keys past
+        num_computed_tokens - window."""
+        table = self.tables.get(req.request_id)
+        if not table:
+            return
+        first_visible = req.num_computed_tokens - self.window + 1
+        dead = min(max(0, first_visible) // self.block_size, len(table))
+        start = self._released.get(req.request_id, 0)
+        if dead <= start:
+            return
+        behind = table[start:dead]
+        ids = self._ids[req.request_id]
+        for i in range(start, dead):
+            table[i] = RELEASED
+            ids[i] = RELEASED.block_id
+        self._released[req.request_id] = dead
+        self.num_released += len(behind)
+        self.pool.free(behind)
+
+    def _publish(self, req: Request, table: list[KVBlock]) -> None:
         num_full = req.num_computed_tokens // self.block_size
         done = self._published.get(req.request_id, 0)
         if num_full <= done:
@@ -315,8 +358,9 @@ class KVCacheManager:
         table = self.tables.pop(req.request_id, None)
         self._ids.pop(req.request_id, None)
         self._published.pop(req.request_id, None)
+        released = self._released.pop(req.request_id, 0)
         if table:
-            self.pool.free(list(reversed(table)))
+            self.pool.free(list(reversed(table[released:])))
 
     def check_integrity(self) -> None:
         """free + cached + in-use == total, and ref counts match the block tables."""
@@ -329,7 +373,10 @@ class KVCacheManager:
         assert self._ids.keys() == self.tables.keys(), "block id lists out of step"
         for rid, table in self.tables.items():
             assert self._ids[rid] == [b.block_id for b in table], "block id list drifted"
-            for b in table:
+            released = self._released.get(rid, 0)
+            assert all(b is RELEASED for b in table[:released]), "released entry reused"
+            for b in table[released:]:
+                assert b is not RELEASED, "a block released out of order"
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         in_use = [b for b in pool.blocks if b.ref_cnt > 0]
         assert len(queued) + len(in_use) == pool.num_blocks, "blocks lost or duplicated"

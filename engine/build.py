@@ -17,7 +17,7 @@ from engine.config import EngineConfig
 from engine.kv_offload import EvictionLog, KVOffload, kv_fingerprint
 from engine.loader import (cache_root, load_tokenizer, load_weights, resolve_model,
                            sampling_defaults, weights_checksum)
-from engine.model import ModelArch
+from engine.models.arch import ModelArch
 from engine.platform import Platform
 from engine.progress import LoadProgress
 from engine.runner import ModelRunner, prefault_default
@@ -62,7 +62,10 @@ def load_model(config: EngineConfig, progress: LoadProgress) -> LoadedModel:
     # a host tier hears of every cached block the pool evicts (to copy it out)
     tiered = config.tier.kind != "none" and cc.enable_prefix_caching
     evicted = EvictionLog() if tiered else None
-    kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, on_evict=evicted)
+    # a window on every layer: blocks behind it go back to the pool after each step
+    window = arch.sliding_window or 0 if arch.windowed_everywhere else 0
+    kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, on_evict=evicted,
+                        window=window)
     if platform.runs_cpu_kernels:
         with progress.phase("CPU kernels (compiled once per machine)"):
             platform.load_kernels()

@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import PagedMetadata
-from engine.model import Int8Linear, Linear, LlamaModel
+from engine.models.decoder import DecoderModel
+from engine.models.layers import Int8Linear, Linear
 
 Matmul = Linear | Int8Linear
 
@@ -38,16 +39,19 @@ class CompiledDecodeStep:
 
     max_rows = 8  # the compiled kernels' matmuls take 1-8 rows
 
-    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         self.model = model
         self.norms = [n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
         self.norms.append(model.norm)
-        matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up,
-                                                         layer.down)] + [model.lm_head]
+        matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.mlp.gate_up,
+                                                         layer.mlp.down)] + [model.lm_head]
         pairs = [_weight(m) for m in matmuls]
         self.weights = [w for w, _ in pairs]
         self.scales = [s for _, s in pairs]
         self.biases = [m.bias for m in matmuls]
+        # each layer's sliding window (0: full); empty where no layer has one
+        self.windows = [layer.window for layer in model.layers] if model.arch.layer_windows \
+            else []
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
         self.steps = 0  # decode steps run here (tests check which path ran)
@@ -68,6 +72,7 @@ class CompiledDecodeStep:
         torch.ops.tidewire.decode_step(
             logits, x, positions, meta.slot_mapping, meta.block_table, meta.seq_lens,
             meta.query_start, m.cos, m.sin, self.k_caches, self.v_caches, self.norms,
-            self.weights, self.scales, self.biases, a.rms_norm_eps, m.attn.scale, a.num_heads)
+            self.weights, self.scales, self.biases, a.rms_norm_eps, m.attn.scale, a.num_heads,
+            self.windows)
         self.steps += 1
         return logits

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.config import EngineConfig
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.structured import GrammarCompiler
@@ -29,6 +30,19 @@ class ModelLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    # a sliding window on every layer (KVCacheManager.window): a request then holds at
+    # most the window plus one step's tokens, whatever its length (0: no window)
+    window_tokens: int = 0
+
+
+def held_tokens(window: int, config: EngineConfig) -> int:
+    """ModelLimits.window_tokens: with a window on every layer, the most tokens a request
+    holds blocks for (the window, one step's new tokens, a block of slack); 0: none."""
+    if not window:
+        return 0
+    spec = config.speculative
+    return (window + config.scheduler.max_num_batched_tokens + config.cache.block_size
+            + (spec.num_tokens if spec.method != "none" else 0))
 
 
 class InputProcessor:
@@ -151,7 +165,10 @@ class InputProcessor:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
                 f"context window of {lim.max_model_len} tokens")
         bs = lim.block_size
-        if -(-(num_prompt + max_tokens) // bs) > lim.num_blocks:
+        held = num_prompt + max_tokens
+        if lim.window_tokens:
+            held = min(held, lim.window_tokens)
+        if -(-held // bs) + (lim.window_tokens > 0) > lim.num_blocks:
             raise PromptTooLongError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs more KV "
                 f"blocks than the pool has ({lim.num_blocks} x {bs} tokens)")

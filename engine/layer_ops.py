@@ -16,7 +16,7 @@ from kernels import cpu_ops
 from kernels import reference as ref
 
 if TYPE_CHECKING:
-    from engine.model import ModelArch
+    from engine.models.arch import ModelArch
 
 Rot = tuple[torch.Tensor, ...]  # what rope_setup returns: each layer's rope reads it
 
@@ -49,6 +49,31 @@ class LayerOps:
         v = qkv[:, q_size + kv_size :].view(n, arch.num_kv_heads, d)
         attn.write_cache(k, v, k_cache, v_cache, meta)
         return q, k, v
+
+    @staticmethod
+    def store(qkv: torch.Tensor, arch: ModelArch, attn: AttentionBackend,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, meta: object
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rope_store for a layer without rotary (SmolLM3's NoPE layers): q, k, v views
+        of qkv, k and v stored in the cache."""
+        n, d = qkv.shape[0], arch.head_dim
+        q, k, v = qkv.view(n, -1, d).split(
+            [arch.num_heads, arch.num_kv_heads, arch.num_kv_heads], dim=1)
+        attn.write_cache(k, v, k_cache, v_cache, meta)
+        return q, k, v
+
+    @classmethod
+    def rope_store_partial(cls, qkv: torch.Tensor, rot: Rot, arch: ModelArch,
+                           attn: AttentionBackend, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, meta: object
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """rope_store where only the first arch.rotary_dim dims of each head rotate
+        (Phi-3's partial rotary), with `rot` from reference.rope_gather over tables of
+        that width: rotated in torch, in place, whatever the platform's ops."""
+        n, d, r = qkv.shape[0], arch.head_dim, arch.head_rotary_dim
+        qk = qkv[:, : (arch.num_heads + arch.num_kv_heads) * d].view(n, -1, d)
+        qk[..., :r] = ref.rope(qk[..., :r], *rot)
+        return cls.store(qkv, arch, attn, k_cache, v_cache, meta)
 
 
 class TorchOps(LayerOps):

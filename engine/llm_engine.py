@@ -17,7 +17,7 @@ from typing import Any, cast
 from engine import build
 from engine.config import EngineConfig
 from engine.constraints import CompileQueue, advance_matcher
-from engine.input_processor import InputProcessor, ModelLimits
+from engine.input_processor import InputProcessor, ModelLimits, held_tokens
 from engine.kv_offload import EvictionLog, KVOffload
 from engine.output_processor import OutputProcessor
 from engine.progress import LoadProgress
@@ -74,7 +74,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler)
         self.inputs = InputProcessor(
             self.tokenizer, ModelLimits(self.arch.vocab_size, self.max_model_len,
-                                        self.config.cache.block_size, self.num_blocks),
+                                        self.config.cache.block_size, self.num_blocks,
+                                        held_tokens(self.kv.window, self.config)),
             self.eos_token_ids, self.grammars, self.outputs.byte_table)
         holders: list[Releases] = [self.runner]  # (a sample's proposer state goes first)
         if self.speculator is not None:

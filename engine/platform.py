@@ -6,7 +6,7 @@ thread count, the attention backend and the device it keeps tensors on. `plan()`
 decides, for one model, every hardware-dependent choice of running it (the attention
 kernel, the layer ops, the matmul kernels, the fast decode path); the eligibility rules
 (head dims, hidden sizes, dtype, quantization, enforce_eager) are written there and
-nowhere else. ModelRunner and LlamaModel follow the plan: they test no backend names.
+nowhere else. ModelRunner and the model (engine/models) follow the plan: they test no backend names.
 
 "cpu" in Tidewire names this platform's CPU side: the `cpu` attention backend
 (engine/attention/cpu.py) and the C++ kernels of kernels/cpu/, which kernels/cpu_ops.py
@@ -31,7 +31,7 @@ from engine.config import EngineConfig
 from kernels import cpu_ops
 
 if TYPE_CHECKING:
-    from engine.model import ModelArch
+    from engine.models.arch import ModelArch
 
 # EngineConfig.dtype's names (engine.config.DTYPE_NAMES) as torch dtypes
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
@@ -52,6 +52,11 @@ class OpsKind(enum.Enum):
     TORCH = "torch"  # kernels/reference.py
     TRITON = "triton"  # the fused Triton kernels
     COMPILED = "compiled"  # the compiled CPU kernels; rope also writes the KV cache
+
+
+# what of ModelArch.features the compiled whole-model decode step runs (a Llama stack
+# with a sliding window per layer)
+COMPILED_STEP_FEATURES = frozenset({"sliding_window"})
 
 
 class FastPath(enum.Enum):
@@ -97,8 +102,8 @@ def physical_cores() -> int:
 
 @dataclass(frozen=True)
 class ModelPlan:
-    """How one model runs on a platform (Platform.plan); LlamaModel and ModelRunner
-    follow it."""
+    """How one model runs on a platform (Platform.plan); the model (engine/models) and
+    ModelRunner follow it."""
 
     device: str  # where the weights, the KV cache and the step's tensors live
     dtype: torch.dtype  # the activations' and weights' dtype
@@ -114,7 +119,7 @@ class ModelPlan:
 
     def keeps_plain(self, in_features: int) -> bool:
         """Whether a bf16 weight with rows of `in_features` is kept plain beside its
-        oneDNN-packed copy, for batches of a few rows (engine/model.py Linear)."""
+        oneDNN-packed copy, for batches of a few rows (engine/models/layers.py Linear)."""
         return self.linear_small and in_features % 32 == 0
 
 
@@ -178,7 +183,8 @@ class Platform:
         compiled CPU kernels take fp32 or bf16, the head dims of cpu_ops.PAGED_HEAD_DIMS
         (attention), rows of a multiple of 16 values (norm, SiLU-mul, linear_small) and
         head dims of a multiple of 32 (rope_cache); the compiled decode step needs every
-        matmul's weight in a layout it reads (int8, fp32, or bf16 kept plain)."""
+        matmul's weight in a layout it reads (int8, fp32, or bf16 kept plain) and a Llama
+        stack (a family with other `arch.features` decodes on the eager path)."""
         cpu, dtype = self.attention_backend == "cpu", self.dtype
         q_size = arch.num_heads * arch.head_dim
         in_features = (arch.hidden_size, q_size, arch.intermediate_size)
@@ -197,6 +203,9 @@ class Platform:
                 raise ValueError("int8 quantization needs the cpu attention backend with its "
                                  "compiled kernels (a C++ compiler), and hidden size, "
                                  "intermediate size and heads x head_dim multiples of 16")
+            if arch.num_experts:
+                raise ValueError("int8 quantization of mixture-of-experts models is not "
+                                 "supported yet")
         elif quantization != "none":
             raise ValueError(f"quantization must be none or int8, got {quantization!r}")
         linear_small = self.device == "cpu" and dtype == torch.bfloat16 and self.cpu_kernels()
@@ -209,7 +218,9 @@ class Platform:
             fast = FastPath.NONE
         elif not cpu:
             fast = FastPath.CUDA_GRAPHS
-        elif ops is OpsKind.COMPILED and readable:
+        elif ops is OpsKind.COMPILED and readable and arch.features <= COMPILED_STEP_FEATURES:
+            # the compiled step runs a Llama stack (sliding windows included): other
+            # families decode eagerly
             fast = FastPath.COMPILED_STEP
         else:
             fast = FastPath.NONE
@@ -220,5 +231,9 @@ class Platform:
         args = (arch.num_heads, arch.num_kv_heads, arch.head_dim, block_size, plan.dtype,
                 plan.kv_cache_dtype)
         if self.attention_backend == "cpu":
-            return CpuAttention(*args, compiled=plan.compiled_attention)
-        return ATTENTION_BACKENDS[self.attention_backend](*args)
+            attn: AttentionBackend = CpuAttention(*args, compiled=plan.compiled_attention)
+        else:
+            attn = ATTENTION_BACKENDS[self.attention_backend](*args)
+        if arch.attn_scale is not None:  # Gemma's query_pre_attn_scalar
+            attn.scale = arch.attn_scale
+        return attn

@@ -16,7 +16,8 @@ import torch
 
 from engine.compiled_step import CompiledDecodeStep
 from engine.cuda_graphs import DecodeGraphs
-from engine.model import LlamaModel, ModelArch
+from engine.models.build import build_model
+from engine.models.arch import ModelArch
 from engine.outputs import TokenLogprob
 from engine.platform import FastPath, Platform
 from engine.request import Request
@@ -108,7 +109,7 @@ class ModelRunner:
         self.block_size = block_size
         self.attn = attn
         self.device = torch.device(plan.device)
-        self.model = LlamaModel(arch, weights, plan, attn, quant_cache)
+        self.model = build_model(arch, weights, plan, attn, quant_cache)
         # One tensor holds every layer's K and V cache, so that moving whole blocks to
         # or from the host tier is one gather or scatter, not two per layer.
         self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)), attn.cache_dtype,

@@ -25,7 +25,7 @@ import torch
 from engine.block_manager import KVCacheManager
 from engine.config import SpeculativeConfig
 from engine.loader import load_tokenizer, load_weights, resolve_model
-from engine.model import ModelArch
+from engine.models.arch import ModelArch
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampler import argmax_rows, sample_from

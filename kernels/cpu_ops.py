@@ -89,7 +89,7 @@ PAGED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dims paged_attentio
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, scale: float,
-                    num_decodes: int | None = None) -> None:
+                    num_decodes: int | None = None, window: int = 0) -> None:
     """Causal paged attention of a ragged batch, read in place from the cache, into `out`.
 
     q, out [num_tokens, num_heads, head_dim] (heads contiguous, any token stride);
@@ -100,10 +100,12 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     sequence s sits at position seq_lens[s] - q_len + i. float32 or bfloat16 (fp32
     accumulation either way); head_dim in PAGED_HEAD_DIMS. Sequences
     [0, num_decodes) are decode steps (None: every one-token sequence), which over an
-    int8 cache may take int8 queries (q8_decode_quantizes_queries)."""
+    int8 cache may take int8 queries (q8_decode_quantizes_queries). window > 0: sliding
+    window, the query at position p sees keys (p - window, p] (reference.paged_attention),
+    and keys no query of a work item can see are never read; 0: full causal attention."""
     torch.ops.tidewire.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens,
                                        query_start, scale,
-                                       -1 if num_decodes is None else num_decodes)
+                                       -1 if num_decodes is None else num_decodes, window)
 
 
 def q8_decode_quantizes_queries() -> bool:
@@ -137,7 +139,7 @@ def rope_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, si
     the [kv_heads, num_blocks, block_size, head_dim] caches, or quantized into int8 caches
     as reference.q8_write does (slot -1: not stored).
     positions, slot_mapping: int64 [tokens]; cos, sin: fp32 [max_positions, head_dim / 2]
-    (reference.rope_cos_sin); head_dim % 32 == 0."""
+    (engine/models/rotary.py); head_dim % 32 == 0."""
     torch.ops.tidewire.rope_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
                                   num_heads)
 

@@ -12,7 +12,8 @@ Layouts (last dimension contiguous):
     lse         [num_tokens, num_heads] fp32            log-sum-exp of the scores (optional)
 
 Query i of sequence s sits at absolute position seq_len - q_len + i and sees keys at
-positions <= its own (causal with the cached context). `kv_start` / `kv_end` clip the
+positions <= its own (causal with the cached context); with a sliding window W > 0 only
+those above its position - W (W keys, its own included). `kv_start` / `kv_end` clip the
 keys (cascade attention splits a shared prefix from the rest).
 
 One program = (sequence, KV head, block of BLOCK_Q queries). The queries of every head
@@ -75,7 +76,7 @@ def attend_block(q, k_cache_ptr, v_cache_ptr, phys, toff, valid, kvh, stride_kb,
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr,
-    scale, kv_start, kv_end,
+    scale, kv_start, kv_end, window,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -84,6 +85,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, HEAD_DIM: tl.constexpr,
     RETURN_LSE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -112,16 +114,22 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
 
-    # keys this block of queries can see: [kv_start, min(kv_end, last query pos + 1))
+    # keys this block of queries can see: [lo, min(kv_end, last query pos + 1)), lo being
+    # kv_start or, with a sliding window, where the first query's window starts if later
     hi = tl.minimum(tl.minimum(ctx + (qblk + 1) * BLOCK_Q, seq_len), kv_end)
+    lo = kv_start
+    if SLIDING:
+        lo = tl.maximum(lo, ctx + qblk * BLOCK_Q - window + 1)
     t = tl.arange(0, TILE)
     kvh64 = kvh.to(tl.int64)
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range((kv_start // TILE) * TILE, hi, TILE):
+    for start in range((lo // TILE) * TILE, hi, TILE):
         kpos = start + t
-        in_range = (kpos >= kv_start) & (kpos < hi)
+        in_range = (kpos >= lo) & (kpos < hi)
         phys, toff = key_tile(table_row, kpos, in_range, BLOCK_SIZE)
         visible = (kpos[None, :] <= qpos[:, None]) & in_range[None, :]
+        if SLIDING:
+            visible &= kpos[None, :] > qpos[:, None] - window
         m_i, l_i, acc = attend_block(q, k_cache_ptr, v_cache_ptr, phys, toff, in_range, kvh64,
                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                                      stride_vh, visible, m_i, l_i, acc, scale, HEAD_DIM,
@@ -146,11 +154,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, return_lse: bool = False,
-                    kv_start: int = 0, kv_end: int = 2**31 - 1
+                    kv_start: int = 0, kv_end: int = 2**31 - 1, window: int = 0
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a ragged batch over the paged cache (layouts in the module doc).
     Returns out, or (out, lse) with return_lse. A query that sees no key (only possible
-    with kv_start / kv_end) gets zeros and lse = -inf."""
+    with kv_start / kv_end) gets zeros and lse = -inf. window > 0: sliding-window
+    attention (the module doc), tiles before a program's first window never loaded;
+    0: full causal attention (a separate compilation, so it pays nothing for windows)."""
+    if window < 0:
+        raise ValueError(f"window must be 0 (full attention) or positive, not {window}")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = check_cache(k_cache, v_cache, head_dim)
     if q.stride(-1) != 1 or num_heads % num_kv_heads:
@@ -173,7 +185,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (num_seqs, num_kv_heads, triton.cdiv(max(max_query_len, 1), block_q))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, lse, block_tables, seq_lens, query_start_loc,
-        scale, kv_start, kv_end,
+        scale, kv_start, kv_end, window,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -182,7 +194,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         lse.stride(1) if return_lse else 0,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_SIZE=block_size,
         TILE=key_tile_size(block_size, q.dtype), HEAD_DIM=head_dim, RETURN_LSE=return_lse,
-        PRECISION=dot_precision(q.dtype), DOT_FP32=dot_fp32(q.dtype),
+        PRECISION=dot_precision(q.dtype), DOT_FP32=dot_fp32(q.dtype), SLIDING=window > 0,
         num_warps=8 if block_q * group_pad >= 64 and head_dim >= 128 else 4, num_stages=2,
     )
     return (out, lse) if return_lse else out

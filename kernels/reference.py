@@ -29,30 +29,15 @@ def rms_norm(
     return weight * h.to(x.dtype), x
 
 
-def rope_cos_sin(
-    head_dim: int, max_positions: int, theta: float, scaling: dict | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, fp32, [max_positions, head_dim // 2] (neox layout: the
-    first half of a head rotates with the second)."""
+def rope_cos_sin(head_dim: int, max_positions: int,
+                 theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain rotary cos and sin tables, fp32, [max_positions, head_dim // 2] (neox
+    layout: the first half of a head rotates with the second), for the kernels' tests;
+    the models build theirs, every scaling variant included, in engine/models/rotary.py."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, scaling)
     pos = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = pos[:, None] * inv_freq[None, :]
     return freqs.cos(), freqs.sin()
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, short ones
-    kept, the band between interpolated smoothly."""
-    factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old_ctx = s["original_max_position_embeddings"]
-    wavelen = 2 * torch.pi / inv_freq
-    scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - lo) / (hi - lo)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_ctx / hi) & (wavelen <= old_ctx / lo)
-    return torch.where(medium, blended, scaled)
 
 
 def rope_gather(cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -83,10 +68,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, kv_start: int = 0,
-                    kv_end: int = 2**31 - 1) -> tuple[torch.Tensor, torch.Tensor]:
+                    kv_end: int = 2**31 - 1, window: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of kernels.paged_attention, same layouts ([num_blocks, block_size,
     kv_heads, head_dim] caches), in fp32, one sequence at a time. Returns (out [tokens,
-    heads, dim] in q's dtype, lse [tokens, heads] fp32; -inf where nothing is seen)."""
+    heads, dim] in q's dtype, lse [tokens, heads] fp32; -inf where nothing is seen).
+    window > 0: sliding-window attention, the query at position p sees keys k with
+    p - window < k <= p (window keys, its own included: HF transformers' rule); 0: all
+    keys up to its own."""
     num_heads = q.shape[1]
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)
@@ -103,6 +92,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qpos = torch.arange(n - q_len, n, device=q.device)[:, None]
         kpos = torch.arange(n, device=q.device)[None, :]
         visible = (kpos <= qpos) & (kpos >= kv_start) & (kpos < kv_end)
+        if window > 0:
+            visible &= kpos > qpos - window
         scores = scores.masked_fill(~visible, float("-inf"))
         m = scores.amax(-1, keepdim=True)
         p = torch.exp(scores - m.nan_to_num(neginf=0.0))

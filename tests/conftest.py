@@ -30,18 +30,36 @@ TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
-    """Save a random model of the given family (HF format) to `path`."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    """Save a random model of the given family (HF format, transformers' own classes) to
+    `path`; `arch` is a key of FAMILY_CLASSES."""
+    import transformers
 
     torch.manual_seed(seed)
-    kw = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, **overrides}
-    families = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                "mistral": (MistralConfig, MistralForCausalLM)}
-    config_cls, model_cls = families[arch]
-    model = model_cls(config_cls(**kw))
+    config_name, model_name, family_kw = FAMILY_CLASSES[arch]
+    kw = {**TINY, "num_attention_heads": 4, "num_key_value_heads": 2, **family_kw, **overrides}
+    config = getattr(transformers, config_name)(**kw)
+    model = getattr(transformers, model_name)(config)
     model.eval().save_pretrained(path)
     return path
+
+
+# family -> (config class, model class, what its tiny configs need beyond TINY)
+FAMILY_CLASSES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"pad_token_id": 0}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "pad_token_id": 0}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              {"num_experts": 8, "num_experts_per_tok": 2, "pad_token_id": 0}),
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +92,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     made: dict[tuple, Path] = {}
 
     def get(arch: str = "llama", seed: int = 0, **overrides) -> Path:
-        key = (arch, seed, tuple(sorted(overrides.items())))
+        key = (arch, seed, repr(sorted(overrides.items())))  # values may be dicts
         if key not in made:
             made[key] = make_tiny_model(tmp_path_factory.mktemp(f"{arch}-{seed}"), arch, seed,
                                         **overrides)

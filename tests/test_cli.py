@@ -153,6 +153,10 @@ def test_models_lists_the_registry_and_what_else_model_takes(capsys) -> None:
         assert name in out and src.model_id in out and src.filename in out
     assert f"{DEFAULT_MODEL}  (the default)" in out
     assert "HF model directory" in out and ".gguf file" in out
+    from engine.models import FAMILIES
+
+    for fam in FAMILIES:  # every family the engine runs, by the model_type configs say
+        assert f"model_type {', '.join(fam.model_types)}" in out
 
 
 def test_env_variables_set_flag_defaults(monkeypatch) -> None:

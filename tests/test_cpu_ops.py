@@ -16,6 +16,11 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None and not cpu_ops.avai
                                 reason="no C++ compiler here")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _kernels() -> None:
+    cpu_ops.available()  # loads torch.ops.tidewire (for tests run alone, -k)
+
+
 def test_the_kernels_build_where_a_compiler_exists() -> None:
     assert cpu_ops.available()
 
@@ -45,15 +50,30 @@ def _paged_case(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: int, 
     return q, k_cache, v_cache, table, lens, qstart
 
 
-def _check_attention(seqs, heads, kv_heads, d, bs, dtype, seed=0):
+def unseen_blocks(seqs: list[tuple[int, int]], table: torch.Tensor, bs: int,
+                  window: int) -> list[int]:
+    """Physical blocks that no query of their sequence sees under a sliding window:
+    whole blocks before the first query's window start (its position - window + 1)."""
+    if window <= 0:
+        return []
+    return [int(table[i, b]) for i, (q_len, ctx) in enumerate(seqs)
+            for b in range(max(0, ctx - q_len - window + 1) // bs)]
+
+
+def _check_attention(seqs, heads, kv_heads, d, bs, dtype, seed=0, window=0):
     q, kc, vc, table, lens, qstart = _paged_case(seqs, heads, kv_heads, d, bs, dtype, seed)
     scale = d**-0.5
-    out = torch.full_like(q, float("nan"))
-    cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, scale)
     # the reference reads [num_blocks, block_size, kv_heads, d]: a permuted view
     want, _ = ref.paged_attention(q.float(), kc.permute(1, 2, 0, 3).float(),
-                                  vc.permute(1, 2, 0, 3).float(), table, lens, qstart, scale)
+                                  vc.permute(1, 2, 0, 3).float(), table, lens, qstart, scale,
+                                  window=window)
+    # NaN in blocks outside every window: a kernel that reads them (0 * NaN) fails
+    unseen = unseen_blocks(seqs, table, bs, window)
+    kc[:, unseen], vc[:, unseen] = float("nan"), float("nan")
+    out = torch.full_like(q, float("nan"))
+    cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, scale, window=window)
     torch.testing.assert_close(out.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+    return len(unseen)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -96,6 +116,174 @@ def test_paged_attention_32k_context_is_split_and_merged_exactly(dtype) -> None:
     # parts whose results are merged by log-sum-exp
     _check_attention([(1, 32768)], 9, 3, 64, 16, dtype, seed=3)
     _check_attention([(1, 32768), (2, 3000)], 4, 4, 64, 32, dtype, seed=4)
+
+
+MIXED = [(1, 1), (1, 37), (1, 100), (1, 16), (5, 5), (70, 90), (33, 33), (2, 47)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [1, 16, 32])
+@pytest.mark.parametrize("window", [1, 7, 16, 33, 90, 500])
+def test_paged_attention_sliding_window_matches_reference(dtype, bs, window) -> None:
+    # windows of one key, not multiples of the block size, equal to a context (33, 90)
+    # and past every one (500, full causal attention); decodes, a fresh prompt and chunks
+    # after cached context (each query row with its own window start); blocks that no
+    # window reaches hold NaN
+    poisoned = _check_attention(MIXED, 9, 3, 64, bs, dtype, seed=window, window=window)
+    assert poisoned > 0 or window > 33
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (16, 2)])
+def test_paged_attention_sliding_window_gqa_and_long_prefills(heads, kv_heads) -> None:
+    # 300-token prompts over several query tiles: later tiles start past the first's
+    # window, rows see nothing in a tile's first keys; a window of 5 and one of 70
+    for window in (5, 70):
+        _check_attention([(300, 300), (1, 5), (40, 260)], heads, kv_heads, 64, 16,
+                         torch.float32, seed=window, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_sliding_window_decodes_across_chunk_and_tile_edges(dtype) -> None:
+    # the bf16 decode kernel reads 16-key chunks: windows starting on and either side of
+    # chunk, tile and block edges, for block sizes 16 and 32 and head dims 64 and 128
+    lens = [1, 15, 16, 17, 31, 63, 64, 65, 127, 128, 129, 200, 1000, 2]
+    for window in (1, 15, 16, 17, 64, 100):
+        _check_attention([(1, n) for n in lens], 9, 3, 64, 16, dtype, seed=window,
+                         window=window)
+        _check_attention([(1, n) for n in lens[::-1]], 8, 1, 128, 32, dtype, seed=window,
+                         window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_sliding_window_of_a_split_long_context(dtype) -> None:
+    # one long decode: the window's keys (3000: more than two parts' worth) split into
+    # parts from the window's start; 700 keys, beside a chunk, stay one item
+    _check_attention([(1, 8192)], 9, 3, 64, 16, dtype, seed=5, window=3000)
+    _check_attention([(1, 8192), (2, 3000)], 9, 3, 64, 16, dtype, seed=6, window=700)
+
+
+def check_backend_window(attn, window: int, dtype: torch.dtype = torch.float32) -> None:
+    """An attention backend's forward(..., window=) over one step against the reference:
+    three decodes (one bucket, padded, for the torch fallback), a 20-token chunk after 30
+    cached tokens and a fresh 12-token prompt, every key written through write_cache."""
+    from engine.attention.base import PrefillSpec, StepLayout
+
+    g = torch.Generator().manual_seed(window)
+    bs, kvh, d, heads = attn.block_size, attn.num_kv_heads, attn.head_dim, attn.num_heads
+    ctxs, q_lens = [70, 40, 9, 50, 12], [1, 1, 1, 20, 12]
+    need = [-(-n // bs) for n in ctxs]
+    perm = torch.randperm(sum(need) + 2, generator=g).tolist()
+    ids = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(ctxs))]
+    slots = [[ids[i][p // bs] * bs + p % bs for p in range(n)] for i, n in enumerate(ctxs)]
+    k_all = torch.randn(sum(ctxs), kvh, d, generator=g).to(dtype)
+    v_all = torch.randn(sum(ctxs), kvh, d, generator=g).to(dtype)
+    dev = attn.device
+    k_cache = torch.zeros(attn.cache_shape(len(perm)), dtype=attn.cache_dtype, device=dev)
+    v_cache = torch.zeros_like(k_cache)
+    fill = StepLayout([x for sl in slots for x in sl], [], [], [])
+    attn.write_cache(k_all.to(dev), v_all.to(dev), k_cache, v_cache, attn.build_metadata(fill))
+    # the step's rows: each sequence's last q_len tokens
+    rows = [sum(ctxs[:i]) + n - q + j for i, (n, q) in enumerate(zip(ctxs, q_lens))
+            for j in range(q)]
+    prefills = [PrefillSpec(3, 20, 50, ids[3]), PrefillSpec(23, 12, 12, ids[4])]
+    layout = StepLayout([x for i, sl in enumerate(slots) for x in sl[ctxs[i] - q_lens[i]:]],
+                        ctxs[:3], ids[:3], prefills)
+    meta = attn.build_metadata(layout)
+    q = torch.randn(len(rows), heads, d, generator=g).to(dtype)
+    out = attn.forward(q.to(dev), k_all[rows].to(dev), v_all[rows].to(dev), k_cache, v_cache,
+                       meta, window=window)
+    ref_k = torch.zeros(len(perm) * bs, kvh, d)
+    ref_v = torch.zeros_like(ref_k)
+    flat = torch.tensor([x for sl in slots for x in sl])
+    ref_k[flat], ref_v[flat] = k_all.float(), v_all.float()
+    table = torch.zeros(len(ctxs), max(need), dtype=torch.int32)
+    for i, b in enumerate(ids):
+        table[i, : len(b)] = torch.tensor(b)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    want, _ = ref.paged_attention(q.float(), ref_k.view(-1, bs, kvh, d),
+                                  ref_v.view(-1, bs, kvh, d), table,
+                                  torch.tensor(ctxs, dtype=torch.int32), starts, attn.scale,
+                                  window=window)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("window", [0, 1, 5, 16, 33, 200])
+def test_cpu_backend_sliding_window_matches_reference(compiled, window) -> None:
+    # the torch fallback (SDPA over gathered blocks: the decode bucket's and each
+    # chunk's mask, a fresh prompt's too) and the compiled kernel, block size 16
+    from engine.attention.cpu import CpuAttention
+
+    check_backend_window(CpuAttention(6, 2, 64, 16, compiled=compiled), window)
+
+
+def _step_by_ops(x, positions, slots, table, lens, qstart, cos, sin, kcs, vcs, norms, linears,
+                 eps, heads, windows):
+    """decode_step's arithmetic (kernels/cpu/decode_step.h) one compiled op at a time,
+    layer l attending through windows[l]: its reference."""
+    rows, layers, d = x.shape[0], len(kcs), kcs[0].shape[-1]
+    h, res = cpu_ops.rms_norm(x.clone(), norms[0], eps)
+    for layer in range(layers):
+        lin = linears[4 * layer : 4 * layer + 4]
+        qkv = cpu_ops.linear_small(h, lin[0])
+        cpu_ops.rope_cache(qkv, positions, cos, sin, kcs[layer], vcs[layer], slots, heads)
+        att = torch.empty(rows, heads, d)
+        cpu_ops.paged_attention(att, qkv[:, : heads * d].view(rows, heads, d), kcs[layer],
+                                vcs[layer], table, lens, qstart, d**-0.5, window=windows[layer])
+        h, res = cpu_ops.rms_norm(cpu_ops.linear_small(att.view(rows, -1), lin[1]),
+                                  norms[2 * layer + 1], eps, res)
+        mlp = cpu_ops.linear_small(cpu_ops.silu_and_mul(cpu_ops.linear_small(h, lin[2])), lin[3])
+        # the next layer's input norm (after the last layer: the final norm)
+        h, res = cpu_ops.rms_norm(mlp, norms[2 * layer + 2], eps, res)
+    return cpu_ops.linear_small(h, linears[-1])
+
+
+@pytest.mark.parametrize("windows", [[], [5, 0], [0, 17], [7, 7]])
+def test_decode_step_attends_through_each_layers_window(windows) -> None:
+    # two layers (heads 4, KV heads 2, d 32); a decode at position 39 and a 3-token chunk
+    # at 22..24: decode_step with per-layer windows (empty: all full) equals the same
+    # step composed from the compiled ops, and a window that cuts in changes the logits
+    g = torch.Generator().manual_seed(len(windows) + sum(windows))
+    layers, hidden, heads, kvh, d, inter, vocab, bs = 2, 64, 4, 2, 32, 64, 96, 16
+    seqs = [(1, 40), (3, 25)]
+    q, _, _, table, lens, qstart = _paged_case(seqs, heads, kvh, d, bs, torch.float32)
+    nb = int(table.max()) + 1
+    kcs = [torch.randn(kvh, nb, bs, d, generator=g) for _ in range(2 * layers)]
+    kcs, vcs = kcs[:layers], kcs[layers:]
+    positions = torch.tensor([39, 22, 23, 24])
+    slots = torch.tensor([int(table[s, p // bs]) * bs + p % bs
+                          for s, p in ((0, 39), (1, 22), (1, 23), (1, 24))])
+    shapes = [((heads + 2 * kvh) * d, hidden), (hidden, heads * d), (2 * inter, hidden),
+              (hidden, inter)] * layers + [(vocab, hidden)]
+    linears = [torch.randn(s, generator=g) * 0.2 for s in shapes]
+    norms = [torch.rand(hidden, generator=g) + 0.5 for _ in range(2 * layers + 1)]
+    cos, sin = ref.rope_cos_sin(d, 64, 10000.0)
+    x = torch.randn(4, hidden, generator=g)
+
+    def step(wins: list[int], compiled: bool) -> torch.Tensor:
+        ks, vs = [k.clone() for k in kcs], [v.clone() for v in vcs]
+        if not compiled:
+            return _step_by_ops(x, positions, slots, table, lens, qstart, cos, sin, ks, vs,
+                                norms, linears, 1e-5, heads, wins or [0] * layers)
+        logits, xs = torch.empty(4, vocab), x.clone()
+        torch.ops.tidewire.decode_step(logits, xs, positions, slots, table, lens, qstart, cos,
+                                       sin, ks, vs, norms, linears, [None] * len(linears),
+                                       [None] * len(linears), 1e-5, d**-0.5, heads, wins)
+        return logits
+
+    got = step(windows, True)
+    torch.testing.assert_close(got, step(windows, False), atol=1e-5, rtol=1e-5)
+    assert torch.equal(got, step([0] * layers, True)) == (not any(windows))
+    with pytest.raises(RuntimeError, match="window"):
+        step([3], True)
+
+
+def test_paged_attention_rejects_a_negative_window() -> None:
+    q, kc, vc, table, lens, qstart = _paged_case([(1, 9)], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="window"):
+        cpu_ops.paged_attention(torch.empty_like(q), q, kc, vc, table, lens, qstart, 0.125,
+                                window=-1)
 
 
 def test_paged_attention_reads_strided_queries_and_rejects_bad_layouts() -> None:

@@ -11,6 +11,7 @@ import torch
 
 from kernels import cpu_ops
 from kernels import reference as ref
+from tests.test_cpu_ops import unseen_blocks
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None and not cpu_ops.available(),
                                 reason="no C++ compiler here")
@@ -67,11 +68,16 @@ def _q8_case(seqs, heads, kv_heads, d, bs, dtype, seed=0):
     return q, kc, vc, kf, vf, table, lens, qstart
 
 
-def _run(seqs, heads, kv_heads, d, bs, dtype, seed=0, num_decodes=None):
+def _run(seqs, heads, kv_heads, d, bs, dtype, seed=0, num_decodes=None, window=0):
+    """The kernel's output on a _q8_case; with a sliding window, blocks no window reaches
+    are filled with 0xFF first (NaN scales: reading them shows)."""
     q, kc, vc, kf, vf, table, lens, qstart = _q8_case(seqs, heads, kv_heads, d, bs, dtype, seed)
     kf, vf = kf.nan_to_num(0.0), vf.nan_to_num(0.0)  # (the reference masks after the product)
+    unseen = unseen_blocks(seqs, table, bs, window)
+    kc[:, unseen], vc[:, unseen] = 0xFF, 0xFF
     out = torch.full_like(q, float("nan"))
-    cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, d**-0.5, num_decodes)
+    cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, d**-0.5, num_decodes,
+                            window=window)
     assert not out.isnan().any()
     return q, out.float(), kf, vf, table, lens, qstart
 
@@ -146,6 +152,47 @@ def test_q8_decodes_match_the_reference_with_int8_queries(dtype, d, heads, kv_he
                                       d**-0.5)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bs", [1, 16, 32])
+@pytest.mark.parametrize("window", [1, 17, 40, 300])
+def test_q8_sliding_window_matches_the_dequantized_reference(dtype, bs, window) -> None:
+    # windows of one key, off the block and chunk sizes, equal to a context (40) and past
+    # all of them; chunks after cached context, a fresh prompt, and decodes through the
+    # integer kernel (num_decodes=3: close) and the dequantizing tile loop (exact)
+    seqs = [(1, 150), (1, 40), (1, 70), (5, 5), (70, 90), (2, 47), (1, 20)]
+    q, out, kf, vf, table, lens, qstart = _run(seqs, 9, 3, 64, bs, dtype, seed=window,
+                                               num_decodes=3, window=window)
+    want, _ = ref.paged_attention(q.float(), kf, vf, table, lens, qstart, 64**-0.5,
+                                  window=window)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[3:], want[3:], atol=tol, rtol=tol)
+    if VNNI and bs > 1:  # the integer kernel: exact against the same int8 queries
+        want, _ = ref.paged_attention(ref.quantize_queries(q), kf, vf, table, lens, qstart,
+                                      64**-0.5, window=window)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[:3], want[:3], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q8_sliding_window_decodes_split_and_across_chunk_edges(dtype) -> None:
+    # windows starting on and either side of 16-key chunks; a long context whose window
+    # is split into parts
+    lens = [1, 15, 16, 17, 63, 64, 65, 129, 200, 2]
+    for window in (1, 16, 17, 65):
+        q, out, kf, vf, table, lens_t, qstart = _run([(1, n) for n in lens], 8, 2, 128, 16,
+                                                     dtype, seed=window, window=window)
+        want, _ = ref.paged_attention(ref.quantize_queries(q) if VNNI else q.float(), kf, vf,
+                                      table, lens_t, qstart, 128**-0.5, window=window)
+        torch.testing.assert_close(out, want, atol=1e-4 if dtype == torch.float32 else 2e-2,
+                                   rtol=2e-2)
+    q, out, kf, vf, table, lens_t, qstart = _run([(1, 8192)], 9, 3, 64, 16, dtype, seed=3,
+                                                 window=3000)
+    want, _ = ref.paged_attention(ref.quantize_queries(q) if VNNI else q.float(), kf, vf, table,
+                                  lens_t, qstart, 64**-0.5, window=3000)
+    torch.testing.assert_close(out, want, atol=2e-3 if dtype == torch.float32 else 2e-2,
+                               rtol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -112,13 +112,29 @@ def test_eos_stops_unless_ignored(tiny_models) -> None:
     assert ignored.token_ids == free_run and ignored.finish_reason == "length"
 
 
-def test_sliding_window_caps_the_context(tiny_models) -> None:
+def test_a_sliding_window_model_holds_only_its_window(tiny_models) -> None:
+    """Mistral with a 32-token window on every layer: a 600-token prompt (many windows
+    long) is served exactly (HF equal) in 64-token chunks, while the request never holds
+    more than its window, one chunk and a block of slack in blocks (the rest went back
+    to the pool behind the window); the context is the model's, not the window."""
     path = tiny_models("mistral", 0, num_attention_heads=4, num_key_value_heads=2,
-                       sliding_window=512)
-    llm = LLM(model=str(path), dtype="float32")
-    assert llm.engine.max_model_len == 512
-    with pytest.raises(ValueError, match="context window of 512"):
-        llm.generate([[5] * 500], SamplingParams(max_tokens=20))
+                       sliding_window=32)
+    llm = LLM(model=str(path), dtype="float32", debug=True, block_size=16,
+              max_num_batched_tokens=64)
+    eng = llm.engine
+    assert eng.max_model_len == 1024 and eng.kv.window == 32
+    prompt = random_prompts(1, 600, 600, 320, seed=12)[0]
+    eng.add(eng.make_request(prompt, GREEDY, "long"))
+    held, toks = [], []
+    while eng.has_unfinished():
+        for out in eng.step():
+            toks += out.new_token_ids
+        table = eng.kv.tables.get("long", [])
+        held.append(sum(b.ref_cnt > 0 for b in table))
+    assert toks == hf_greedy(path, [prompt], GREEDY.max_tokens)[0]
+    assert max(held) <= -(-(32 + 64) // 16) + 1, held
+    assert eng.kv.num_released >= (600 - 32 - 64) // 16
+    assert eng.kv.num_free_blocks == eng.num_blocks
 
 
 def _drive(llm: LLM, reqs, park_at: int | None = None, parked=(), hold: int = 0) -> dict:

@@ -95,6 +95,88 @@ def test_paged_attention_block_ids_above_2_16_in_a_sparse_cache() -> None:
     close(out, ref.paged_attention(q, kc, vc, table, lens, starts, 0.125)[0], torch.bfloat16)
 
 
+def poison_unseen_blocks(kc: torch.Tensor, vc: torch.Tensor, table: torch.Tensor,
+                         q_lens: list[int], seq_lens: list[int], window: int) -> int:
+    """NaN into each sequence's blocks that lie wholly before its first query's sliding
+    window (a kernel that loads them fails: 0 * NaN); returns how many."""
+    bs = kc.shape[1]
+    ids = [int(table[s, b]) for s, (q, n) in enumerate(zip(q_lens, seq_lens))
+           for b in range(max(0, n - q - window + 1) // bs)]
+    kc[ids], vc[ids] = float("nan"), float("nan")
+    return len(ids)
+
+
+# decodes at positions 49 and 15, a 40-token chunk after 30 cached tokens (several
+# programs of queries, each starting at its first query's window), a fresh prompt
+WINDOW_BATCH = ([1, 1, 40, 5], [50, 16, 70, 5])
+
+
+@pytest.mark.parametrize("bs,window,group,dtype", [
+    (1, 1, 3, torch.float32), (16, 5, 3, torch.float32),
+    (16, 16, 1, torch.float32), (16, 50, 8, torch.bfloat16), (32, 17, 3, torch.float32),
+    (32, 100, 3, torch.float16)])
+def test_paged_attention_sliding_window_matches_reference(bs: int, window: int, group: int,
+                                                          dtype: torch.dtype) -> None:
+    # windows of one key, off the block size, equal to a context (50) and past them all
+    q_lens, seq_lens = WINDOW_BATCH
+    q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 2 * group, 2, 64, bs, dtype,
+                                                num_blocks=160, seed=window)
+    want, want_lse = ref.paged_attention(q, kc, vc, table, lens, starts, 0.125, window=window)
+    poisoned = poison_unseen_blocks(kc, vc, table, q_lens, seq_lens, window)
+    assert poisoned > 0 or window >= 50
+    out, lse = paged_attention(q, kc, vc, table, lens, starts, 0.125, max(q_lens),
+                               return_lse=True, window=window)
+    close(out, want, dtype)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("window,partition_blocks", [(1, 1), (20, 2), (40, 1), (45, 64)])
+def test_split_k_decode_sliding_window_matches_reference(window: int,
+                                                         partition_blocks: int) -> None:
+    # partitions from the block where each sequence's window starts: fewer of them, none
+    # reaching a block before the window
+    seq_lens = [70, 3, 33, 16]
+    q, kc, vc, table, lens, starts = make_batch([1] * 4, seq_lens, 6, 2, 64, 16, torch.float32,
+                                                seed=window)
+    want = ref.paged_attention(q, kc, vc, table, lens, starts, 0.125, window=window)[0]
+    assert poison_unseen_blocks(kc, vc, table, [1] * 4, seq_lens, window) > 0
+    out = paged_decode_splitk(q, kc, vc, table, lens, 0.125, max(seq_lens), partition_blocks,
+                              window=window)
+    close(out, want, torch.float32)
+
+
+@pytest.mark.parametrize("window", [0, 5, 33])
+def test_triton_backend_sliding_window_matches_reference(window: int) -> None:
+    # forward(..., window=) of the backend over decodes, a chunk after cached context and
+    # a fresh prompt (the step of tests/test_cpu_ops.py's CPU backend test)
+    from engine.attention.triton import TritonAttention, TritonInterpretAttention
+    from tests.test_cpu_ops import check_backend_window
+
+    cls = TritonAttention if DEV == "cuda" else TritonInterpretAttention
+    check_backend_window(cls(6, 2, 64, 16), window)
+
+
+def test_triton_backend_takes_split_k_by_the_keys_a_decode_reads() -> None:
+    """Split-K for a decode-only step whose decodes read SPLIT_K_MIN_CONTEXT keys or
+    more: their context, or their window where that is shorter."""
+    from engine.attention.triton import (SPLIT_K_MIN_CONTEXT, TritonInterpretAttention,
+                                         TritonMetadata)
+
+    attn = TritonInterpretAttention(4, 2, 64, 16)
+    calls: list[tuple[str, int]] = []
+    attn._paged = lambda *a, window: calls.append(("paged", window))  # type: ignore[assignment]
+    attn._splitk = lambda *a, window: calls.append(("split", window))  # type: ignore[assignment]
+    x = torch.zeros(1)
+    for max_len, decode_only in ((SPLIT_K_MIN_CONTEXT + 900, True),
+                                 (SPLIT_K_MIN_CONTEXT + 900, False)):
+        meta = TritonMetadata(x, x, x, x, 1, max_len, decode_only)
+        for window in (0, SPLIT_K_MIN_CONTEXT, SPLIT_K_MIN_CONTEXT - 1):
+            attn.forward(x, x, x, x, x, meta, window=window)
+    s = SPLIT_K_MIN_CONTEXT
+    assert calls == [("split", 0), ("split", s), ("paged", s - 1),
+                     ("paged", 0), ("paged", s), ("paged", s - 1)]
+
+
 def test_paged_attention_rejects_bad_inputs() -> None:
     q, kc, vc, table, lens, starts = make_batch([1], [5], 2, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="int32"):
@@ -103,6 +185,10 @@ def test_paged_attention_rejects_bad_inputs() -> None:
         paged_attention(q.to(torch.bfloat16), kc, vc, table, lens, starts, 0.1, 1)
     with pytest.raises(ValueError, match="powers of two"):
         paged_attention(q[..., :48], kc[..., :48], vc[..., :48], table, lens, starts, 0.1, 1)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention(q, kc, vc, table, lens, starts, 0.1, 1, window=-1)
+    with pytest.raises(ValueError, match="window"):
+        paged_decode_splitk(q, kc, vc, table, lens, 0.1, 5, window=-1)
 
 
 @pytest.mark.parametrize("partition_blocks", [1, 2, 64])  # many partitions ... one
@@ -272,6 +358,30 @@ def test_paged_attention_at_model_scale_on_gpu(dtype: torch.dtype) -> None:
                                                 num_blocks=2048, seed=6)
     got = paged_decode_splitk(q, kc, vc, table, lens, 128**-0.5, max(seq_lens), 32)
     close(got, ref.paged_attention(q, kc, vc, table, lens, starts, 128**-0.5)[0], dtype)
+
+
+@gpu
+def test_sliding_window_at_model_scale_on_gpu() -> None:
+    """Mistral-7B heads (32 q, 8 KV, d128) in bf16, window 1000: a 512-token chunk after
+    1.5k cached tokens, a fresh prompt and decodes out to 4k in one launch; the split-K
+    decode at 16k with a window of 4096 (still split); blocks no window reaches are NaN."""
+    q_lens, seq_lens = [512, 1, 1, 1, 37], [2048, 4000, 1, 777, 37]
+    q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16,
+                                                num_blocks=1024, seed=8)
+    want = ref.paged_attention(q, kc, vc, table, lens, starts, 128**-0.5, window=1000)[0]
+    assert poison_unseen_blocks(kc, vc, table, q_lens, seq_lens, 1000) > 100
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, kc, vc, table, lens, starts, 128**-0.5, max(q_lens), out=out,
+                    window=1000)
+    close(out, want, torch.bfloat16)
+    seq_lens = [16384, 9000, 130, 4097]
+    q, kc, vc, table, lens, starts = make_batch([1] * 4, seq_lens, 32, 8, 128, 16,
+                                                torch.bfloat16, num_blocks=2048, seed=9)
+    want = ref.paged_attention(q, kc, vc, table, lens, starts, 128**-0.5, window=4096)[0]
+    assert poison_unseen_blocks(kc, vc, table, [1] * 4, seq_lens, 4096) > 500
+    got = paged_decode_splitk(q, kc, vc, table, lens, 128**-0.5, max(seq_lens), 32,
+                              window=4096)
+    close(got, want, torch.bfloat16)
 
 
 @gpu

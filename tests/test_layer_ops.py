@@ -8,7 +8,7 @@ import torch
 from engine.attention.base import PagedMetadata
 from engine.attention.cpu import CpuAttention
 from engine.layer_ops import CompiledOps, TorchOps, make_ops
-from engine.model import ModelArch
+from engine.models.arch import ModelArch
 from engine.platform import OpsKind
 from kernels import cpu_ops
 from kernels import reference as ref

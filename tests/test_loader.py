@@ -6,7 +6,7 @@ import time
 import pytest
 
 from engine.loader import REGISTRY, load_tokenizer, load_weights, resolve_model
-from engine.model import ModelArch
+from engine.models.arch import ModelArch
 
 
 def test_registry_gguf_is_converted_once_and_cached(smollm2_dir) -> None:

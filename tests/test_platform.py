@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.model import ModelArch
+from engine.models.arch import ModelArch
 from engine.platform import (ATTENTION_BACKENDS, DTYPES, FastPath, OpsKind, Platform,
                              auto_dtype, physical_cores, read_cpu_flags)
 

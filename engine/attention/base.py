@@ -97,10 +97,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: object) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: object, window: int = 0) -> torch.Tensor:
         """Causal paged attention of q [num_tokens, heads, head_dim] over each row's
         context (k, v: this step's rows, already written to the cache); returns
-        [num_tokens, heads, head_dim]."""
+        [num_tokens, heads, head_dim]. window > 0: sliding-window attention (Mistral,
+        Gemma's local layers), the row at position p sees keys at positions (p - window,
+        p], window keys with its own, as HF transformers' `sliding_window`; 0: every key
+        up to its own. A per-call argument (layers of one model may differ); the step's
+        metadata serves every window."""
 
 
 @dataclass

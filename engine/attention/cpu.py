@@ -6,7 +6,7 @@ engine/attention/base.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,9 @@ class DecodeBucket:
     v_out: torch.Tensor
     k: torch.Tensor  # k_out viewed as [rows, kvh, max_blocks * bs, d]
     v: torch.Tensor
+    lens: torch.Tensor  # [rows] int64: each row's context
+    # per sliding window: `mask` also hiding keys before each row's window (_decode_mask)
+    windowed: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,6 +55,8 @@ class CpuPrefill:
     ctx_len: int
     block_ids: torch.Tensor | None  # None: no cached context, attend to this step's k/v
     mask: torch.Tensor | None  # [q_len, ctx_len] bool when there is cached context
+    # per sliding window: [q_len, ctx_len] bool, causal and within it (_prefill_mask)
+    windowed: dict[int, torch.Tensor | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,7 +140,7 @@ class CpuAttention(AttentionBackend):
             mask = None
             if int(lens.min()) < width * bs:
                 mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
-            buckets.append(self._bucket(start, end, flat, width, mask, offset))
+            buckets.append(self._bucket(start, end, flat, width, mask, lens, offset))
             offset += len(flat)
         prefills = [self._prefill_meta(p) for p in layout.prefills]
         return CpuMetadata(torch.tensor(layout.slot_mapping, dtype=torch.int64), buckets, prefills)
@@ -162,7 +167,7 @@ class CpuAttention(AttentionBackend):
                              len(layout.decode_seq_lens))
 
     def _bucket(self, start: int, end: int, flat: list[int], width: int,
-                mask: torch.Tensor | None, offset: int) -> DecodeBucket:
+                mask: torch.Tensor | None, lens: torch.Tensor, offset: int) -> DecodeBucket:
         """Gather targets are carved from step-wide buffers once here, not per layer."""
         kvh, d, bs, n = self.num_kv_heads, self.head_dim, self.block_size, end - start
         outs = []
@@ -172,7 +177,7 @@ class CpuAttention(AttentionBackend):
             outs.append(region.view(kvh, len(flat), bs * d))
         views = [o.view(kvh, n, width * bs, d).transpose(0, 1) for o in outs]
         return DecodeBucket(start, end, torch.tensor(flat, dtype=torch.int64), mask,
-                            outs[0], outs[1], views[0], views[1])
+                            outs[0], outs[1], views[0], views[1], lens)
 
     def _buffer(self, name: str, numel: int) -> torch.Tensor:
         """A reused flat buffer of at least `numel` elements. Growing it replaces the
@@ -202,20 +207,22 @@ class CpuAttention(AttentionBackend):
         v_cache.view(kv_heads, -1, d)[:, slots] = v.transpose(0, 1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,  # type: ignore[override]  # noqa: E501 - this backend's metadata
-                v_cache: torch.Tensor, meta: CpuMetadata | PagedMetadata) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: CpuMetadata | PagedMetadata,
+                window: int = 0) -> torch.Tensor:
         if isinstance(meta, PagedMetadata):
             out = torch.empty(q.shape, dtype=q.dtype)
             cpu_ops.paged_attention(out, q, k_cache, v_cache, meta.block_table, meta.seq_lens,
-                                    meta.query_start, self.scale, meta.num_decodes)
+                                    meta.query_start, self.scale, meta.num_decodes,
+                                    window=window)
             return out
         if not meta.prefills and len(meta.decodes) == 1:  # the common all-decode step
-            return self._decode(q, k_cache, v_cache, meta.decodes[0])
+            return self._decode(q, k_cache, v_cache, meta.decodes[0], window)
         out = torch.empty_like(q)
         for b in meta.decodes:
-            out[b.start : b.end] = self._decode(q[b.start : b.end], k_cache, v_cache, b)
+            out[b.start : b.end] = self._decode(q[b.start : b.end], k_cache, v_cache, b, window)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p, window)
         return out
 
     def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, buf: str) -> torch.Tensor:
@@ -232,21 +239,51 @@ class CpuAttention(AttentionBackend):
                                               scale=self.scale, enable_gqa=self.group > 1)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                b: DecodeBucket) -> torch.Tensor:
+                b: DecodeBucket, window: int = 0) -> torch.Tensor:
         kvh, nb = k_cache.shape[0], k_cache.shape[1]
         torch.index_select(k_cache.view(kvh, nb, -1), 1, b.block_ids, out=b.k_out)
         torch.index_select(v_cache.view(kvh, nb, -1), 1, b.block_ids, out=b.v_out)
         # b.k, b.v: [n, kvh, L, d] strided views of the gathered blocks; SDPA takes them.
-        return self._sdpa(q.unsqueeze(2), b.k, b.v, b.mask).squeeze(2)  # [n, heads, d]
+        mask = self._decode_mask(b, window)
+        return self._sdpa(q.unsqueeze(2), b.k, b.v, mask).squeeze(2)  # [n, heads, d]
+
+    @staticmethod
+    def _decode_mask(b: DecodeBucket, window: int) -> torch.Tensor | None:
+        """The bucket's mask, or under a sliding window that cuts into a row's context one
+        that also hides each row's keys before lens - window; built once per step and
+        window (the layers that share a window share it)."""
+        if window <= 0:
+            return b.mask
+        if window not in b.windowed:
+            lens = b.lens[:, None]
+            kpos = torch.arange(b.k.shape[2])[None, :]
+            cut = int(b.lens.max()) > window
+            b.windowed[window] = ((kpos < lens) & (kpos >= lens - window))[:, None, None, :] \
+                if cut else b.mask
+        return b.windowed[window]
+
+    @staticmethod
+    def _prefill_mask(p: CpuPrefill, window: int) -> torch.Tensor | None:
+        """The chunk's mask (None: plain causal), or under a sliding window that cuts into
+        its context one where the query at position t sees keys (t - window, t]."""
+        if window <= 0 or p.ctx_len <= window:
+            return p.mask
+        if window not in p.windowed:
+            qpos = torch.arange(p.q_len)[:, None] + (p.ctx_len - p.q_len)
+            kpos = torch.arange(p.ctx_len)[None, :]
+            p.windowed[window] = (kpos <= qpos) & (kpos > qpos - window)
+        return p.windowed[window]
 
     def _prefill(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, p: CpuPrefill) -> torch.Tensor:
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, p: CpuPrefill,
+                 window: int = 0) -> torch.Tensor:
         kvh, d = self.num_kv_heads, self.head_dim
         if p.block_ids is None:  # the whole context is this chunk: no cache read needed
             k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kvh, T, d]
         else:
             k = self._gather(k_cache, p.block_ids, "pk").view(kvh, -1, d)[:, : p.ctx_len]
             v = self._gather(v_cache, p.block_ids, "pv").view(kvh, -1, d)[:, : p.ctx_len]
-        o = self._sdpa(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                       p.mask, causal=p.block_ids is None)
+        mask = self._prefill_mask(p, window)
+        o = self._sdpa(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask,
+                       causal=mask is None)
         return o[0].transpose(0, 1)

@@ -80,13 +80,17 @@ class TritonAttention(AttentionBackend):
         self._cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: object) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: object, window: int = 0) -> torch.Tensor:
         assert isinstance(meta, TritonMetadata)
-        if meta.decode_only and meta.max_seq_len >= SPLIT_K_MIN_CONTEXT:
+        # the keys a decode reads: its context, or at most its window
+        seen = min(meta.max_seq_len, window) if window > 0 else meta.max_seq_len
+        if meta.decode_only and seen >= SPLIT_K_MIN_CONTEXT:
             return self._splitk(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                self.scale, meta.max_seq_len, SPLIT_K_PARTITION_BLOCKS)
+                                self.scale, meta.max_seq_len, SPLIT_K_PARTITION_BLOCKS,
+                                window=window)
         return self._paged(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,  # type: ignore[return-value]  # noqa: E501
-                           meta.query_start_loc, self.scale, meta.max_query_len)
+                           meta.query_start_loc, self.scale, meta.max_query_len,
+                           window=window)
 
     def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         # [layers, 2, n, bs, kv_heads, d] -> [n, layers, 2, bs, kv_heads, d]

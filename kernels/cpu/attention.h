@@ -11,12 +11,17 @@
 //   out         [num_tokens, num_heads, head_dim]     rows may be strided
 //
 // Query i of sequence s sits at position seq_len - q_len + i and sees keys at positions
-// <= its own. One work item = (sequence, KV head, tile of query tokens, context part):
-// the queries of every head of the KV head's group are stacked as rows, so each K/V row
-// is read once per group (GQA). Keys go by tiles of kKeyTile tokens, converted to fp32
-// in a small per-thread buffer (never a copy of the whole context); the softmax is
-// online in fp32. A batch too small to keep every thread busy splits long contexts into
-// parts whose partial results are merged exactly by their log-sum-exp.
+// <= its own, and with a sliding window W > 0 (AttnShape::window) only those above its
+// position - W: each item's keys then begin where its first query's window does (on a
+// 16-key boundary where decode kernels may take it; attend_item masks each row's keys
+// below its own window), so keys no query of the item can see are never read.
+//
+// One work item = (sequence, KV head, tile of query tokens, context part): the queries
+// of every head of the KV head's group are stacked as rows, so each K/V row is read once
+// per group (GQA). Keys go by tiles of kKeyTile tokens, converted to fp32 in a small
+// per-thread buffer (never a copy of the whole context); the softmax is online in fp32.
+// A batch too small to keep every thread busy splits long contexts into parts whose
+// partial results are merged exactly by their log-sum-exp.
 //
 // The tile loop (attend_item) is written once over two parameters: a row loader per
 // cache format (attention_rows.h: bf16/fp32 rows in place, q8 rows dequantized) and a set
@@ -38,7 +43,8 @@
 namespace tw {
 
 // One work item: rows = (token, group head) pairs, keys [key_begin, key_end) of the
-// sequence's context, causal. Leaves o (unnormalized) and m, l (running max, denominator).
+// sequence's context, causal (and within each row's sliding window). Leaves o
+// (unnormalized) and m, l (running max, denominator).
 // C: the cache's element type (uint8_t for a q8 cache).
 template <int ND, typename T, typename C>
 void attend_item(const AttnItem& it, const T* q, const C* kc, const C* vc, const int32_t* table,
@@ -52,7 +58,9 @@ void attend_item(const AttnItem& it, const T* q, const C* kc, const C* vc, const
   const int64_t pos0 = ctx - q_len + it.tok_begin;  // position of the first token
   const int64_t last = std::min<int64_t>(it.key_end, pos0 + ntok);  // keys after: unseen
   const int64_t q_row = q_row0 + it.tok_begin;
-  if (Rows::template decode<ND>(it, q, kc, vc, table, last, q_len, q_row, sh, w, after)) return;
+  const int64_t first = sh.window > 0 ? pos0 - sh.window + 1 : 0;  // a decode's first key
+  if (Rows::template decode<ND>(it, q, kc, vc, table, first, last, q_len, q_row, sh, w, after))
+    return;
   Rows loader(kc, vc, sh, table, it, last, after, w);
   Isa::template stage_queries<ND>(q + q_row * sh.q_stride + it.kv_head * G * D, ntok, G,
                                   sh.q_stride, sh.scale, w);
@@ -65,9 +73,19 @@ void attend_item(const AttnItem& it, const T* q, const C* kc, const C* vc, const
     const auto tile = loader.template tile<ND>(kb, nk);
     Isa::template scores<ND>(w, sh.scale, rows, tile, nk);
     if constexpr (!Rows::kValuesStaged) Isa::template stage_values<ND>(tile.v, nk, w);
-    softmax_rows(w.s.data(), rows, G, pos0 - kb, nk, w, corr);
+    softmax_rows(w.s.data(), rows, G, pos0 - kb, nk, sh.window, w, corr);
     Isa::template accumulate<ND>(w, rows, corr, nk);
   }
+}
+
+// The first key a query tile whose first token sits at `pos` reads: 0 without a sliding
+// window, else its first token's window start, rounded down to 16 keys where the block
+// size allows (the decode kernels read 16-key chunks that lie in one block), so never in
+// a block the window leaves out.
+inline int64_t first_key(int64_t pos, const AttnShape& sh) {
+  if (sh.window <= 0) return 0;
+  const int64_t lo = std::max<int64_t>(0, pos - sh.window + 1);
+  return sh.block_size % kLanes == 0 ? lo / kLanes * kLanes : lo;
 }
 
 // Splits the step into work items (see the file comment).
@@ -80,21 +98,25 @@ inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* 
   std::vector<AttnItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = qstart[s + 1] - qstart[s], ctx = seq_lens[s];
+    // keys of a one-tile sequence (the only kind split): [lo, ctx)
+    const int64_t lo = first_key(ctx - q_len, sh), keys = ctx - lo;
     int64_t parts = 1;
-    if (q_len > 0 && q_len <= tok_tile && base < 4 * threads && ctx >= 2 * kPartTokens)
-      parts = std::min<int64_t>((ctx + kPartTokens - 1) / kPartTokens,
+    if (q_len > 0 && q_len <= tok_tile && base < 4 * threads && keys >= 2 * kPartTokens)
+      parts = std::min<int64_t>((keys + kPartTokens - 1) / kPartTokens,
                                 (4 * threads + base - 1) / base);
-    int64_t span = ctx;
-    if (parts > 1) {  // parts start on tile boundaries (so on block boundaries too)
-      span = ((ctx + parts - 1) / parts + kKeyTile - 1) / kKeyTile * kKeyTile;
-      parts = (ctx + span - 1) / span;
+    int64_t span = keys;
+    if (parts > 1) {  // parts are whole tiles from lo (so start on 16-key boundaries too)
+      span = ((keys + parts - 1) / parts + kKeyTile - 1) / kKeyTile * kKeyTile;
+      parts = (keys + span - 1) / span;
     }
     for (int64_t h = 0; h < sh.num_kv_heads; ++h)
-      for (int64_t t = 0; t < q_len; t += tok_tile)
+      for (int64_t t = 0; t < q_len; t += tok_tile) {
+        const int64_t kb = parts > 1 ? lo : first_key(ctx - q_len + t, sh);
         for (int64_t p = 0; p < parts; ++p)
           items.push_back({int32_t(s), int32_t(h), int32_t(t), int32_t(std::min(q_len, t + tok_tile)),
-                           int32_t(p * span), int32_t(std::min(ctx, (p + 1) * span)),
+                           int32_t(kb + p * span), int32_t(std::min(ctx, kb + (p + 1) * span)),
                            int32_t(parts == 1 ? -1 : p)});
+      }
   }
   return items;
 }

@@ -29,6 +29,9 @@ struct AttnShape {
   // sequences [0, num_decodes) are decode steps (a q8 cache sends their queries through
   // int8; attention_decode.h); the rest are prefill chunks, whatever their length
   int64_t num_decodes = std::numeric_limits<int64_t>::max();
+  // > 0: sliding-window attention, the query at position p sees keys (p - window, p];
+  // 0: every key up to its own
+  int64_t window = 0;
 };
 
 // Per-thread scratch of one work item.
@@ -137,9 +140,11 @@ struct TileRows {
   int na;
 };
 
-// Online-softmax update of one row's scores s[0, seen) (the rest masked): leaves the
-// probabilities in s and returns the factor by which the row's output must shrink.
-inline float softmax_update(float* s, int seen, float& m, float& l) {
+// Online-softmax update of one row's scores s[lo, seen) (the rest masked; lo < seen):
+// leaves the probabilities in s and returns the factor by which the row's output must
+// shrink. lo > 0 only where a sliding window starts inside the tile.
+inline float softmax_update(float* s, int lo, int seen, float& m, float& l) {
+  for (int k = 0; k < lo; ++k) s[k] = kNegInf;
   for (int k = seen; k < kKeyTile; ++k) s[k] = kNegInf;
   f32x16 v[kTileVecs];
   f32x16 mx = splat(kNegInf);
@@ -157,18 +162,27 @@ inline float softmax_update(float* s, int seen, float& m, float& l) {
   return corr;
 }
 
+// The first key of a tile starting at `kb` that a query at position `pos` sees under a
+// sliding window (AttnShape::window; 0: none), relative to kb and at least 0.
+inline int64_t window_lo(int64_t pos, int64_t window, int64_t kb) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1 - kb) : 0;
+}
+
 // The online-softmax step of a tile for each of `rows` query rows (token r / G of the
-// item, whose position is `rel` + r / G relative to the tile's first key): causal, and
-// leaves the probabilities in s and each row's rescale factor in corr.
-inline void softmax_rows(float* s, int rows, int64_t G, int64_t rel, int nk, AttnScratch& w,
-                         float* corr) {
+// item, whose position is `rel` + r / G relative to the tile's first key): causal, within
+// the sliding window if there is one, and leaves the probabilities in s and each row's
+// rescale factor in corr.
+inline void softmax_rows(float* s, int rows, int64_t G, int64_t rel, int nk, int64_t window,
+                         AttnScratch& w, float* corr) {
   for (int r = 0; r < rows; ++r) {
     const int64_t seen = std::min<int64_t>(nk, rel + r / G + 1);  // causal
-    if (seen <= 0) {  // nothing visible in this tile: p = 0, the output stays
+    const int64_t lo = window_lo(rel + r / G, window, 0);
+    if (seen <= lo) {  // nothing visible in this tile: p = 0, the output stays
       std::fill(s + r * kKeyTile, s + (r + 1) * kKeyTile, 0.0f);
       corr[r] = 1.0f;
     } else {
-      corr[r] = softmax_update(s + r * kKeyTile, static_cast<int>(seen), w.m[r], w.l[r]);
+      corr[r] = softmax_update(s + r * kKeyTile, static_cast<int>(lo), static_cast<int>(seen),
+                               w.m[r], w.l[r]);
     }
   }
 }

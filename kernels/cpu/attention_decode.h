@@ -9,6 +9,8 @@
 //                       (vpdpbusd: 64 byte products an instruction) times the two
 //                       scales; V rows are widened to fp32 and weighted by the
 //                       probabilities times their scales.
+// Both read keys [it.key_begin, last), and a query under a sliding window masks those
+// below `first` (only in the first tile: key_begin is first rounded down to 16 keys).
 // The row loaders (attention_rows.h) say which items take them; every other item runs
 // the tile loop of attention.h.
 #pragma once
@@ -33,8 +35,9 @@ inline Q8Layout q8_layout(const AttnShape& sh) {
 // key scored.
 template <int ND>
 void attend_decode_bf16(const AttnItem& it, const c10::BFloat16* q, const c10::BFloat16* kc,
-                        const c10::BFloat16* vc, const int32_t* table, int64_t last,
-                        int64_t q_row, const AttnShape& sh, AttnScratch& w, KeySpan after) {
+                        const c10::BFloat16* vc, const int32_t* table, int64_t first,
+                        int64_t last, int64_t q_row, const AttnShape& sh, AttnScratch& w,
+                        KeySpan after) {
   using bf16 = c10::BFloat16;
   constexpr int D = ND * kLanes, NV = D / 32;
   const int G = static_cast<int>(sh.group);
@@ -91,7 +94,8 @@ void attend_decode_bf16(const AttnItem& it, const c10::BFloat16* q, const c10::B
       }
     }
     float corr[8];
-    for (int r = 0; r < G; ++r) corr[r] = softmax_update(s[r], nk, m[r], l[r]);
+    const int lo = static_cast<int>(std::max<int64_t>(0, first - kb));  // (< nk)
+    for (int r = 0; r < G; ++r) corr[r] = softmax_update(s[r], lo, nk, m[r], l[r]);
     // P.V, keys by pairs; rows four at a time (registers: 4 x ND accumulators)
     for (int r0 = 0; r0 < G; r0 += 4) {
       const int R = std::min(4, G - r0);
@@ -147,8 +151,8 @@ inline __m128i q8_codes16(f32x16 x, float div) {
 // q.k ~ s_q s_k (sum c_q u - 128 sum c_q).
 template <int ND, typename T>
 void attend_decode_q8(const AttnItem& it, const T* q, const uint8_t* kc, const uint8_t* vc,
-                      const int32_t* table, int64_t last, int64_t q_row, const AttnShape& sh,
-                      AttnScratch& w, KeySpan after) {
+                      const int32_t* table, int64_t first, int64_t last, int64_t q_row,
+                      const AttnShape& sh, AttnScratch& w, KeySpan after) {
   constexpr int D = ND * kLanes, NQ = D / 64;
   const int G = static_cast<int>(sh.group);
   const int64_t bs = sh.block_size;
@@ -229,8 +233,9 @@ void attend_decode_q8(const AttnItem& it, const T* q, const uint8_t* kc, const u
       }
     }
     float corr[8];
+    const int lo = static_cast<int>(std::max<int64_t>(0, first - kb));  // (< nk)
     for (int r = 0; r < G; ++r) {
-      corr[r] = softmax_update(s[r], nk, m[r], l[r]);
+      corr[r] = softmax_update(s[r], lo, nk, m[r], l[r]);
       for (int c = 0; c < chunks; ++c)  // the probabilities times the V rows' scales
         store16(s[r] + c * kLanes, load16(s[r] + c * kLanes) * load16(vscale + c * kLanes));
       for (int j = 0; j < ND; ++j) o[r][j] *= corr[r];

@@ -49,22 +49,23 @@ struct CacheRows {
     return {krows, vrows, ka, va, na};
   }
 
-  // Runs the item as a whole decode kernel where this build has one for it.
+  // Runs the item as a whole decode kernel where this build has one for it; `first`: the
+  // first key a one-token item's query sees (its sliding window's start; <= 0: none).
   template <int ND, typename Q>
   static bool decode(const AttnItem& it, const Q* q, const T* kc, const T* vc,
-                     const int32_t* table, int64_t last, int64_t q_len, int64_t q_row,
-                     const AttnShape& sh, AttnScratch& w, KeySpan after) {
+                     const int32_t* table, int64_t first, int64_t last, int64_t q_len,
+                     int64_t q_row, const AttnShape& sh, AttnScratch& w, KeySpan after) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<Q, T> && ND % 2 == 0) {
       if (it.tok_end - it.tok_begin == 1 && sh.group <= 8 && sh.block_size % kLanes == 0 &&
           it.key_begin % kLanes == 0) {
-        attend_decode_bf16<ND>(it, q, kc, vc, table, last, q_row, sh, w, after);
+        attend_decode_bf16<ND>(it, q, kc, vc, table, first, last, q_row, sh, w, after);
         return true;
       }
     }
 #endif
-    (void)it, (void)q, (void)kc, (void)vc, (void)table, (void)last, (void)q_len, (void)q_row,
-        (void)sh, (void)w, (void)after;
+    (void)it, (void)q, (void)kc, (void)vc, (void)table, (void)first, (void)last, (void)q_len,
+        (void)q_row, (void)sh, (void)w, (void)after;
     return false;
   }
 };
@@ -154,19 +155,19 @@ struct Q8Rows {
   // queries that go through int8 are exactly the decode steps'.
   template <int ND, typename Q>
   static bool decode(const AttnItem& it, const Q* q, const uint8_t* kc, const uint8_t* vc,
-                     const int32_t* table, int64_t last, int64_t q_len, int64_t q_row,
-                     const AttnShape& sh, AttnScratch& w, KeySpan after) {
+                     const int32_t* table, int64_t first, int64_t last, int64_t q_len,
+                     int64_t q_row, const AttnShape& sh, AttnScratch& w, KeySpan after) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if constexpr (ND * kLanes % 64 == 0) {
       if (q_len == 1 && it.seq < sh.num_decodes && sh.group <= 8 &&
           sh.block_size % kLanes == 0 && it.key_begin % kLanes == 0) {
-        attend_decode_q8<ND>(it, q, kc, vc, table, last, q_row, sh, w, after);
+        attend_decode_q8<ND>(it, q, kc, vc, table, first, last, q_row, sh, w, after);
         return true;
       }
     }
 #endif
-    (void)it, (void)q, (void)kc, (void)vc, (void)table, (void)last, (void)q_len, (void)q_row,
-        (void)sh, (void)w, (void)after;
+    (void)it, (void)q, (void)kc, (void)vc, (void)table, (void)first, (void)last, (void)q_len,
+        (void)q_row, (void)sh, (void)w, (void)after;
     return false;
   }
 };

@@ -3,7 +3,9 @@
 // and the LM head. It is the CPU's counterpart of a CUDA graph replay: at batch 1 an
 // eager step makes ~300 calls from Python, each forking and joining the thread team;
 // here one OpenMP team lives through the step and its threads meet at barriers between
-// the phases, so the step costs little more than reading the weights.
+// the phases, so the step costs little more than reading the weights. Layers may attend
+// through sliding windows of their own (StepModel::windows): one attention plan per
+// distinct window.
 #pragma once
 
 #include <omp.h>
@@ -37,6 +39,7 @@ struct StepModel {
   // per layer: [kv_heads, blocks, block_size, d] in T, or q8 (kv_q8.h); the step's C
   std::vector<void*> k_caches, v_caches;
   int64_t num_blocks, block_size;
+  std::vector<int64_t> windows;  // per layer, AttnShape::window (empty: every layer full)
 };
 
 inline void split(int64_t n, int tid, int nt, int64_t align, int64_t& b, int64_t& e) {
@@ -85,6 +88,30 @@ inline auto step_kv(const StepModel<T>& m, int64_t l) {
                       m.num_blocks * m.block_size, m.head_dim};
 }
 
+// The attention work of a step: one shape and plan per distinct sliding window among the
+// layers, and which one each layer takes.
+struct StepPlans {
+  std::vector<AttnShape> shapes;
+  std::vector<AttnPlan> plans;
+  std::vector<size_t> of_layer;
+
+  template <typename T>
+  StepPlans(const StepModel<T>& m, const AttnShape& sh, const int32_t* seq_lens,
+            const int32_t* qstart, int64_t num_seqs, int threads) {
+    for (int64_t l = 0; l < m.layers; ++l) {
+      const int64_t win = m.windows.empty() ? 0 : m.windows[l];
+      size_t i = 0;
+      while (i < shapes.size() && shapes[i].window != win) ++i;
+      if (i == shapes.size()) {
+        shapes.push_back(sh);
+        shapes.back().window = win;
+        plans.emplace_back(seq_lens, qstart, num_seqs, shapes.back(), threads);
+      }
+      of_layer.push_back(i);
+    }
+  }
+};
+
 // rows: the query tokens of num_seqs sequences (qstart: each one's first row), one per
 // decode, a few for a decode verifying speculative proposals or a short chunk.
 // x [rows, hidden]: the embeddings in, the residual stream afterwards. logits [rows, vocab].
@@ -101,7 +128,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
   const int nt = at::get_num_threads();
   AttnShape sh{H, KVH, H / KVH, D, m.block_size, m.num_blocks, table_width, qkv_out, H * D,
                attn_scale};
-  AttnPlan plan(seq_lens, qstart, num_seqs, sh, nt);
+  StepPlans attn(m, sh, seq_lens, qstart, num_seqs, nt);
   std::vector<T> h(rows * hidden), qkv(rows * qkv_out), att(rows * H * D), tmp(rows * hidden),
       gu(rows * 2 * I), act(rows * I);
   std::unique_ptr<std::atomic<size_t>[]> next(new std::atomic<size_t>[m.layers]);
@@ -133,14 +160,16 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
         rope_cache_token(qkv.data() + r * qkv_out, positions[r], cos_t, sin_t, kv, slots[r], H,
                          KVH, D);
 #pragma omp barrier
+      AttnPlan& plan = attn.plans[attn.of_layer[l]];
+      const AttnShape& lsh = attn.shapes[attn.of_layer[l]];
       run_items<ND>(plan, next[l], att.data(), qkv.data(), static_cast<const C*>(m.k_caches[l]),
-                    static_cast<const C*>(m.v_caches[l]), table, seq_lens, qstart, sh, w);
+                    static_cast<const C*>(m.v_caches[l]), table, seq_lens, qstart, lsh, w);
       prefetch_slice(L[1], tid, n);
 #pragma omp barrier
       if (!plan.groups.empty()) {
         int64_t g0, g1;
         split(plan.groups.size(), tid, n, 1, g0, g1);
-        for (int64_t g = g0; g < g1; ++g) merge_group<ND>(plan, g, att.data(), qstart, sh);
+        for (int64_t g = g0; g < g1; ++g) merge_group<ND>(plan, g, att.data(), qstart, lsh);
 #pragma omp barrier
       }
       step_linear(L[1], tmp.data(), att.data(), rows, xf.data(), tid, n);

@@ -61,7 +61,7 @@ void attention_by_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-                     int64_t num_decodes) {
+                     int64_t num_decodes, int64_t window) {
   check(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
   const bool q8 = k_cache.scalar_type() == at::kByte;
   check(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -96,6 +96,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                block_table.size(1), q.stride(0), out.stride(0), static_cast<float>(scale)};
   check(sh.group <= kMaxRows, "GQA group too large");
   if (num_decodes >= 0) sh.num_decodes = num_decodes;
+  check(window >= 0 && window <= std::numeric_limits<int32_t>::max(),
+        "window must be 0 (full causal attention) or a positive number of keys");
+  sh.window = window;
   if (q.scalar_type() == at::kFloat)
     attention_by_dim<float>(out, q, k_cache, v_cache, block_table, seq_lens, query_start, sh);
   else if (q.scalar_type() == at::kBFloat16)
@@ -242,7 +245,7 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
                         const c10::List<c10::optional<at::Tensor>>& scales,
                         const c10::List<c10::optional<at::Tensor>>& biases,
                         const at::TensorList k_caches, const at::TensorList v_caches,
-                        int64_t num_heads, double eps) {
+                        int64_t num_heads, double eps, at::IntArrayRef windows) {
   const int64_t layers = k_caches.size();
   check(layers >= 1 && v_caches.size() == size_t(layers) && norms.size() == size_t(2 * layers + 1) &&
             linears.size() == size_t(4 * layers + 1) && scales.size() == linears.size() &&
@@ -262,6 +265,12 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
   m.inter = linears[3].size(1);
   m.vocab = linears[4 * layers].size(0);
   m.eps = float(eps);
+  check(windows.empty() || int64_t(windows.size()) == layers,
+        "decode_step: windows must be empty or one per layer");
+  for (const int64_t win : windows)
+    check(win >= 0 && win <= std::numeric_limits<int32_t>::max(),
+          "decode_step: a window must be 0 (full attention) or a positive number of keys");
+  m.windows.assign(windows.begin(), windows.end());
   for (const auto& t : norms) {
     check(t.scalar_type() == act && t.is_contiguous() && t.numel() == m.hidden,
           "decode_step: norm weights");
@@ -352,7 +361,7 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
                  at::TensorList norms, at::TensorList linears,
                  const c10::List<c10::optional<at::Tensor>>& scales,
                  const c10::List<c10::optional<at::Tensor>>& biases, double eps, double scale,
-                 int64_t num_heads) {
+                 int64_t num_heads, at::IntArrayRef windows) {
   const int64_t rows = x.size(0), num_seqs = seq_lens.size(0);
   check(rows >= 1 && rows <= kMaxLinearRows, "decode_step takes 1 to 8 query tokens");
   check(x.is_contiguous() && logits.is_contiguous() && logits.size(0) == rows &&
@@ -380,14 +389,15 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
           "decode_step: each sequence has query tokens, at most its length");
   const bool q8 = !k_caches.empty() && k_caches[0].scalar_type() == at::kByte;
   if (x.scalar_type() == at::kFloat) {
-    auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps);
+    auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps,
+                               windows);
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<float>(logits, x, positions, slot_mapping, block_table, seq_lens,
                              query_start, cos, sin, m, scale, q8);
   } else if (x.scalar_type() == at::kBFloat16) {
     auto m = step_model<c10::BFloat16>(norms, linears, scales, biases, k_caches, v_caches,
-                                       num_heads, eps);
+                                       num_heads, eps, windows);
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<c10::BFloat16>(logits, x, positions, slot_mapping, block_table, seq_lens,
@@ -451,7 +461,7 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
 TORCH_LIBRARY(tidewire, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, "
-        "int num_decodes=-1) -> ()",
+        "int num_decodes=-1, int window=0) -> ()",
         &tw::paged_attention);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
         "bool add) -> ()", &tw::rms_norm);
@@ -462,7 +472,8 @@ TORCH_LIBRARY(tidewire, m) {
   m.def("decode_step(Tensor(a!) logits, Tensor(b!) x, Tensor positions, Tensor slot_mapping, "
         "Tensor block_table, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor[] norms, Tensor[] linears, "
-        "Tensor?[] scales, Tensor?[] biases, float eps, float scale, int num_heads) -> ()",
+        "Tensor?[] scales, Tensor?[] biases, float eps, float scale, int num_heads, "
+        "int[] windows=[]) -> ()",
         &tw::decode_step);
   m.def("linear_small(Tensor(a!) out, Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> ()",
         &tw::linear_small);

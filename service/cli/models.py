@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from engine.models import FAMILIES
 from engine.registry import DEFAULT_MODEL, REGISTRY
 from service.cli.flags import ENV_PREFIX
 
@@ -46,7 +47,16 @@ def models_text() -> str:
                      "    local:     not converted yet (the first load dequantizes it once, "
                      "about 20 s)")
         lines.append("")
+    lines += ["Model families (an HF directory or a .gguf of any of these):", ""]
+    for fam in FAMILIES:
+        lines.append(f"  {fam.name:<10} model_type {', '.join(fam.model_types)}")
+        lines.append(f"  {'':<10} {fam.examples}")
     lines += [
+        "",
+        "  Any other model_type is refused at load with the list above. Plain Llama-shaped",
+        "  models decode through the fused compiled step on the CPU; the others (q/k norms,",
+        "  sliding windows, partial or no rotary, Gemma's norms, experts) on the eager path.",
+        "",
         "--model also takes:",
         "  an HF model directory  config.json + *.safetensors, and the tokenizer files;",
         "                         its generation_config.json gives the sampling defaults",

@@ -1,0 +1,167 @@
+"""The model layer's building blocks: linears (bf16 prepacked for oneDNN, int8), the
+activations of the gated MLPs, and the weights of one decoder layer.
+
+Weights are plain tensors (no nn.Module per layer: fewer Python hops per step); the
+projections that read the same input are fused into one GEMM (q/k/v, gate/up).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.quant import dequantize_int8
+from kernels import cpu_ops
+
+
+class Linear:
+    """y = x W^T (+ b) with W [out, in].
+
+    For bf16 on CPU the weight is pre-packed once into oneDNN's blocked layout: the
+    same results bit for bit as F.linear, 1.1-2.7x faster at batch sizes past a few rows.
+    At 1-4 rows the plain weight (kept too: 2 bytes a parameter more) goes through the
+    compiled matrix-vector kernel instead. Other dtypes use F.linear, so fp32 runs stay
+    op-for-op with HF transformers."""
+
+    # Up to this many rows, bf16 weights stream through cpu_ops.linear_small (one pass
+    # over W at memory speed; oneDNN reached ~70% of it at 1-4 rows here).
+    small_rows = 4
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 keep_plain: bool = False, pack: bool = True) -> None:
+        """`keep_plain`: keep the plain weight beside a packed one, for batches of up to
+        `small_rows` rows (ModelPlan.keeps_plain; False where the caller never sends so
+        few). `pack=False`: no packed copy (one copy of the weight, not two: the experts
+        of a MoE model, most of its bytes), so batches past `small_rows` take F.linear."""
+        self.weight, self.bias = weight.contiguous(), bias
+        self.out_features, self.in_features = weight.shape
+        self.plain: torch.Tensor | None = None  # kept for linear_small
+        packed = (_mkldnn_pack(self.weight) if pack and weight.dtype == torch.bfloat16
+                  else None)
+        if not pack and keep_plain and weight.dtype == torch.bfloat16:
+            self.plain = self.weight  # the same tensor: linear_small for a few rows
+        if packed is not None:
+            if keep_plain:
+                self.plain = self.weight
+            self.weight = packed  # the packed copy replaces the plain one
+            self._op = _PACKED_LINEAR  # resolved once: torch.ops lookups cost µs per call
+        else:
+            self._op = None
+
+    @property
+    def plain_weight(self) -> torch.Tensor | None:
+        """The weight as [out, in] rows (the compiled decode step reads it), if kept:
+        the plain copy of a packed weight, or the weight itself where none was packed."""
+        if self.plain is not None:
+            return self.plain
+        return self.weight if self._op is None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain is not None and _few_rows(x, self.small_rows):
+            return cpu_ops.linear_small(x, self.plain, None, self.bias)
+        if self._op is not None:
+            return self._op(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _few_rows(x: torch.Tensor, limit: int) -> bool:
+    """Whether x goes to the small-batch kernel (0 rows, e.g. the LM head of a prefill
+    chunk that samples none, goes to the dense path, which takes them)."""
+    return 0 < x.shape[0] <= limit
+
+
+class Int8Linear:
+    """Weight-only int8 (engine/quant.py). Up to `small_rows` rows stream the int8
+    weights through cpu_ops.linear_small (half the bytes of bf16: decode is bound by
+    reading them); bigger batches, where that kernel loses to a dense GEMM, use the
+    dequantized weights in the activation dtype (the same values)."""
+
+    small_rows = 4
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        self.q, self.scale, self.bias = q.contiguous(), scale.float().contiguous(), bias
+        self.out_features, self.in_features = q.shape
+        # (no plain copy: batches of up to small_rows rows never reach it)
+        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if _few_rows(x, self.small_rows):
+            return cpu_ops.linear_small(x, self.q, self.scale, self.bias)
+        return self.dense(x)
+
+
+_PACKED_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+def _mkldnn_pack(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN-packed weight, or None where this torch build cannot (then F.linear)."""
+    if (w.device.type != "cpu" or _PACKED_LINEAR is None
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        probe = torch.ones(2, w.shape[1], dtype=w.dtype)
+        got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+    except (RuntimeError, AttributeError):
+        return None
+    return packed if torch.equal(got, F.linear(probe, w)) else None
+
+
+Matmul = Linear | Int8Linear
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * d] = [gate | up] -> gelu_tanh(gate) * up (Gemma's GeGLU)."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+ACTIVATIONS = ("silu", "gelu_tanh")
+# HF config `hidden_act` / `hidden_activation` names of the activations above
+HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
+                  "gelu_tanh": "gelu_tanh"}
+
+
+def activation_of(hf_name: str) -> str:
+    """Tidewire's name of an HF activation; ValueError for one it does not run."""
+    if hf_name not in HF_ACTIVATIONS:
+        raise ValueError(f"unsupported activation {hf_name!r}; supported: "
+                         f"{', '.join(sorted(HF_ACTIVATIONS))}")
+    return HF_ACTIVATIONS[hf_name]
+
+
+@dataclass
+class DenseMLP:
+    """down(act(gate) * up), gate and up one fused matmul."""
+
+    gate_up: Matmul  # [2 * intermediate, hidden]
+    down: Matmul  # [hidden, intermediate]
+    act: str = "silu"  # a name in ACTIVATIONS
+
+    def __call__(self, h: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+                 ) -> torch.Tensor:
+        """`silu_and_mul`: the platform's (a compiled kernel on the CPU)."""
+        g = self.gate_up(h)
+        return self.down(silu_and_mul(g) if self.act == "silu" else gelu_tanh_and_mul(g))
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. Optional parts are None where the family has none."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Matmul  # [(heads + 2 * kv_heads) * head_dim, hidden] (+ bias: Qwen2)
+    o: Matmul  # [hidden, heads * head_dim]
+    post_norm: torch.Tensor  # [hidden]: before the MLP
+    mlp: Any  # DenseMLP or engine.models.moe.MoE: (h, silu_and_mul) -> [tokens, hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMSNorm before rotary (Qwen3)
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # Gemma: on attention's output, before the add
+    mlp_out_norm: torch.Tensor | None = None  # Gemma: on the MLP's output, before the add
+    window: int = 0  # 0: full causal attention; W: the last W keys
+    rope: str | None = "global"  # key of the model's rotary tables; None: no rotary (NoPE)
