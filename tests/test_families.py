@@ -14,6 +14,7 @@ import dataclasses
 import os
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.platform import COMPILED_STEP_FEATURES, Platform
@@ -49,6 +50,9 @@ PATHS = {
     "torch": dict(attention_backend="cpu"),  # with the compiled kernels switched off
     "triton": dict(attention_backend="triton-interpret"),
 }
+if torch.cuda.is_available():  # the cuda backend itself (the interpreter's case is
+    # left to machines without a GPU: it must come first in a process, engine/attention)
+    PATHS = {"cuda": dict(attention_backend="cuda")}
 
 # Each regime alone; COMBINED puts them in one engine: 4-token blocks in a pool too small
 # for the batch (preemption; evicted prefixes go to the memory tier and come back),
@@ -180,8 +184,8 @@ def test_family_parity_matrix(family_model, monkeypatch, family: str, engine_pat
     prompts = _prompts(9)[: 3 if engine_path == "triton" else 6]
     llm = _llm(path, engine_path, monkeypatch, **REGIMES[regime])
     got = _check(llm, path, prompts)
-    if regime == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
+    if regime == "preemption":  # (a windowed model gives blocks back instead)
+        assert llm.engine.scheduler.num_preemptions > 0 or llm.engine.kv.num_released > 0
     if regime == "speculative":
         assert llm.engine.runner is not None and got
 
