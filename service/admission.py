@@ -87,7 +87,8 @@ class Admitter:
             messages, template_tools = self._render(g)
             ids = None
             if gw.off_loop(g.prompt, messages):
-                ids = await gw.prompt_ids(g.prompt, messages, g.id, True, template_tools)
+                ids = await gw.prompt_ids(g.prompt, messages, g.id, True, template_tools,
+                                          self._template_kwargs(g))
             s.check_open()
             self.preparing.pop(g.id, None)  # (its room is the live stream's now)
             self._start(g, cont, ids, hold)
@@ -97,6 +98,12 @@ class Admitter:
             s.internal(e, {"id": g.id})
         finally:
             gw.unhold(hold)  # (a no-op once admitted)
+
+    def _template_kwargs(self, g: Generate) -> dict[str, Any] | None:
+        """The chat template's extra variables (a plain prompt has no template)."""
+        if g.messages is None or g.think is None:
+            return None
+        return self.gw.think.template_kwargs(g.think, g.params.response_format is not None)
 
     def _render(self, g: Generate) -> tuple[Any, Any]:
         """The generate's messages with its tools rendered, and the tools the template
@@ -116,7 +123,7 @@ class Admitter:
         messages, template_tools = self._render(g)
         adm = gw.submit(s.principal, g.params, g.id, g.prompt, messages, tools=template_tools,
                         output_token_ids=cont.token_ids if cont is not None else (),
-                        prompt_ids=ids, hold=hold)
+                        prompt_ids=ids, hold=hold, template_kwargs=self._template_kwargs(g))
         try:
             self._started(g, adm, ahead, cont)
         except BaseException:  # nothing admitted may leak: the request ends here
@@ -134,10 +141,17 @@ class Admitter:
         if ahead is not None:
             s.frame({"type": "queued", "id": g.id, "position": ahead})
         live = Live(g.id, adm, g.params.logprobs is not None, Timings(adm.arrival), tools=g.tools)
+        if g.messages is not None and g.think is not None:
+            live.think = self.gw.think.request(adm.stream.output.prompt_token_ids, g.think,
+                                               g.params.n, g.params.response_format is not None)
         if cont is not None:  # the client had its start and after_seq deltas
             first = live.stream.output.outputs[0]
             live.started, live.seq = True, cont.after_seq
             live.marks = [(0, len(first.token_ids), first.text_len)] * cont.after_seq
+            if live.think is not None:  # and the split of their text
+                said = live.think.samples[0]
+                said.prime(first.text, len(first.token_ids))
+                live.said = [said.said] * cont.after_seq
         s.streams.live[g.id] = live
         # No output can have arrived yet: dispatch runs on this (the loop) thread.
         live.stream.listener = partial(s.sender.notify, live)

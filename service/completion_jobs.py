@@ -16,6 +16,7 @@ from service import tools as tool_calls
 from service.delivery import Timings
 from service.gateway import Admission, Gateway, Principal
 from service.protocol import ProtocolError
+from service.reasoning import Reasoning, ThinkOptions
 
 
 @dataclass(slots=True, eq=False)
@@ -30,6 +31,7 @@ class Job:
     logprobs: bool = False  # asked for: an echoed prompt then lists its tokens too
     timings: Timings = field(init=False)
     last: RequestOutput | None = None
+    think: Reasoning | None = None  # a thinking model's chat: reasoning split from content
 
     def __post_init__(self) -> None:
         self.timings = Timings(self.adm.arrival)
@@ -52,9 +54,11 @@ async def compile_constraint(gw: Gateway, principal: Principal,
 
 async def submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
                      body: dict[str, Any], chat: bool,
-                     tools: tool_calls.Tools | None = None) -> list[Job]:
+                     tools: tool_calls.Tools | None = None,
+                     think: ThinkOptions | None = None) -> list[Job]:
     """Admit each prompt, or none: a refusal releases the ones already admitted. A large
-    prompt is tokenized off the event loop first (Gateway.prompt_ids)."""
+    prompt is tokenized off the event loop first (Gateway.prompt_ids). `think`: a chat's
+    template variables and reasoning budget."""
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise ProtocolError("invalid_request", "echo must be a boolean")
@@ -69,18 +73,23 @@ async def submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
     if len(prompts) * params.n > openai_request.MAX_PROMPT_SAMPLES:
         raise ProtocolError("invalid_request", f"{len(prompts)} prompts x n = {params.n} is over "
                             f"{openai_request.MAX_PROMPT_SAMPLES} samples in one request")
+    constrained = params.response_format is not None
+    kwargs = gw.think.template_kwargs(think, constrained) if think is not None else None
     ids: list[list[int] | None] = [None] * len(prompts)
     for i, prompt in enumerate(prompts):
         if gw.off_loop(prompt, messages):
-            ids[i] = await gw.prompt_ids(prompt, messages, None, True, template_tools)
+            ids[i] = await gw.prompt_ids(prompt, messages, None, True, template_tools, kwargs)
     jobs: list[Job] = []
     try:
         for i, prompt in enumerate(prompts):
             adm = gw.submit(principal, params, None, prompt, messages, tools=template_tools,
-                            prompt_ids=ids[i])
+                            prompt_ids=ids[i], template_kwargs=kwargs)
             job = Job(adm, i * params.n, None, params.logprobs is not None)
             jobs.append(job)  # (ended with the others from here on, whatever comes next)
             gw.http_inflight.add(adm)
+            if think is not None:
+                job.think = gw.think.request(adm.stream.output.prompt_token_ids, think,
+                                             params.n, constrained)
             if echo:
                 job.echo = _echo_text(gw, adm, prompt)  # type: ignore[arg-type]
     except BaseException:  # a refusal, or a fault of ours: nothing admitted may leak

@@ -57,11 +57,17 @@ class ServiceConfig:
     # set: GET /metrics needs `Authorization: Bearer <metrics_key>` (scrapers get their
     # own key, not a tenant's); empty: /metrics is open, as /health is
     metrics_key: str = ""
+    # chat outputs split into reasoning and content (service.reasoning): "auto" when the
+    # model's chat template mentions <think>, "think" always, "none" never
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.sampling_defaults not in ("model", "none"):
             raise ValueError(f"sampling_defaults must be model or none, "
                              f"got {self.sampling_defaults!r}")
+        if self.reasoning_parser not in ("auto", "none", "think"):
+            raise ValueError(f"reasoning_parser must be auto, none or think, "
+                             f"got {self.reasoning_parser!r}")
 
     @staticmethod
     def keys_from_env(value: str | None = None) -> dict[str, str]:

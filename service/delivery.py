@@ -11,8 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepOutput
 from service.protocol import ProtocolError
+from service.reasoning import Reasoning
 from service.tools import CallStream, Tools
 
 if TYPE_CHECKING:
@@ -77,6 +78,11 @@ class Live:
     tail: list[dict[str, Any]] = field(default_factory=list)
     tools: Tools | None = None  # a chat request with tools: its calls are parsed out
     calls: dict[int, CallStream] = field(default_factory=dict)  # by sample index
+    # a chat request of a thinking model: its output split into reasoning and content;
+    # after delta seq s its client has said[s-1] = (reasoning chars, content chars) of
+    # marks[s-1]'s sample
+    think: Reasoning | None = None
+    said: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stream = self.adm.stream
@@ -95,18 +101,41 @@ def step_frames(live: Live, log_tokens: Callable[[bool, float, int], None]
         if not live.started:
             live.started = True
             frames.append(start_frame(live.rid, out, stream.queue_time))
-        new, text = step.new_token_ids, step.text_delta
-        live.track.token(len(new), log_tokens)
-        if new or text:
-            live.seq += 1
-            index = step.index
-            c = out.outputs[index]
-            live.marks.append((index, len(c.token_ids), c.text_len))
-            calls = _tool_call_deltas(live, index, text) if live.tools is not None else None
-            frames.append(delta_frame(live.rid, live.seq, index, len(out.outputs), new, text,
-                                      c.logprobs if live.logprobs else None,
-                                      tool_calls=calls))
+        live.track.token(len(step.new_token_ids), log_tokens)
+        frame = (_delta(live, out, step.index, step.new_token_ids, step.text_delta)
+                 if live.think is None else _split_delta(live, out, step))
+        if frame is not None:
+            frames.append(frame)
     return frames
+
+
+def _delta(live: Live, out: RequestOutput, index: int, new: list[int], text: str,
+           reasoning: str = "") -> dict[str, Any] | None:
+    """The delta frame of one step of sample `index` (None: it carries nothing), its
+    resume mark noted. `text` is the content, `reasoning` the thinking (with live.think)."""
+    if not (new or text or reasoning):
+        return None
+    live.seq += 1
+    c = out.outputs[index]
+    live.marks.append((index, len(c.token_ids), c.text_len))
+    calls = _tool_call_deltas(live, index, text) if live.tools is not None else None
+    return delta_frame(live.rid, live.seq, index, len(out.outputs), new, text,
+                       c.logprobs if live.logprobs else None, tool_calls=calls,
+                       reasoning=reasoning)
+
+
+def _split_delta(live: Live, out: RequestOutput, step: StepOutput) -> dict[str, Any] | None:
+    """A step of a thinking model's sample: its text split into reasoning and content;
+    nothing once the budget has cut the sample."""
+    assert live.think is not None
+    parts = live.think.push(step.index, step.text_delta, len(step.new_token_ids),
+                            step.finished)
+    if parts is None:
+        return None
+    frame = _delta(live, out, step.index, step.new_token_ids, parts[1], parts[0])
+    if frame is not None:
+        live.said.append(live.think.samples[step.index].said)
+    return frame
 
 
 def _tool_call_deltas(live: Live, index: int, text: str) -> list[dict[str, Any]]:
@@ -121,6 +150,8 @@ def _tool_call_deltas(live: Live, index: int, text: str) -> list[dict[str, Any]]
 def replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
     """Deltas for everything sent after `after_seq`: one per sample, merged; the marks
     and seq are rewound to `after_seq` first, so the replay is numbered from there."""
+    if live.think is not None:
+        return _split_replay(live, after_seq)
     have: dict[int, tuple[int, int]] = {}
     for index, ntok, nchar in live.marks[:after_seq]:
         have[index] = (ntok, nchar)
@@ -136,6 +167,33 @@ def replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
             frames.append(delta_frame(live.rid, live.seq, c.index, len(outputs),
                                       c.token_ids[ntok:], c.text[nchar:],
                                       (c.logprobs or []) if live.logprobs else None, ntok))
+    return frames
+
+
+def _split_replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
+    """replay() for a thinking model's request: each sample's reasoning and content
+    past what the client had (`said`), and its tokens up to what was sent (the budget
+    may have cut a sample short of its output's end)."""
+    assert live.think is not None
+    have: dict[int, tuple[int, int, int]] = {}
+    for (index, ntok, _), (nr, nc) in zip(live.marks[:after_seq], live.said[:after_seq]):
+        have[index] = (ntok, nr, nc)
+    del live.marks[after_seq:], live.said[after_seq:]
+    live.seq = after_seq
+    frames = []
+    outputs = live.stream.output.outputs
+    for c in outputs:
+        ntok, nr, nc = have.get(c.index, (0, 0, 0))
+        s = live.think.samples[c.index]
+        reasoning, content = s.reasoning[nr:], s.content[nc:]
+        if s.tokens > ntok or reasoning or content:
+            live.seq += 1
+            live.marks.append((c.index, s.tokens, s.chars))
+            live.said.append((nr + len(reasoning), nc + len(content)))
+            frames.append(delta_frame(live.rid, live.seq, c.index, len(outputs),
+                                      c.token_ids[ntok:s.tokens], content,
+                                      (c.logprobs or []) if live.logprobs else None, ntok,
+                                      reasoning=reasoning))
     return frames
 
 
@@ -155,12 +213,16 @@ def start_frame(rid: str, out: RequestOutput, queue_time: float) -> dict[str, An
 
 def delta_frame(rid: str, seq: int, index: int, n: int, token_ids: list[int], text: str,
                 logprobs: list | None, start: int | None = None,
-                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                tool_calls: list[dict[str, Any]] | None = None,
+                reasoning: str = "") -> dict[str, Any]:
     """A delta frame; `logprobs` is the sample's cumulative list, whose entries for
     `token_ids` start at `start` (default: they are its tail). `tool_calls`: the
-    tool-call deltas the text completed (none: no field)."""
+    tool-call deltas the text completed (none: no field). `reasoning`: the thinking
+    the delta adds (none: no field; `text` is then the answer only)."""
     d: dict[str, Any] = {"type": "delta", "id": rid, "seq": seq, "text": text,
                          "token_ids": token_ids}
+    if reasoning:
+        d["reasoning"] = reasoning
     if n > 1:
         d["index"] = index
     if tool_calls:
@@ -198,8 +260,10 @@ def done_frame(live: Live, reason: str) -> dict[str, Any]:
     spec = last.spec if last is not None else None
     if spec is not None:
         done["timings"].update(spec_timings(spec))
-    reasons = [FINISH.get(o.finish_reason or "error", "error")
-               for o in last.outputs] if last else []
+    think = live.think
+    reasons = [FINISH.get(o.finish_reason or "error" if think is None
+                          else think.finish_reason(i, o.finish_reason or "error"), "error")
+               for i, o in enumerate(last.outputs)] if last else []
     if tools is not None and last is not None:
         # the complete calls (ids as their deltas had them) and the text around them
         # (a replay after a resume resends text, not tool-call deltas: this is the record)
@@ -209,7 +273,7 @@ def done_frame(live: Live, reason: str) -> dict[str, Any]:
             stream = calls.get(i)
             if stream is None:
                 stream = CallStream(tools.constrained)
-                stream.push(o.text)
+                stream.push(o.text if think is None else think.samples[i].content)
             stream.finish()
             msg = stream.message()
             for call in msg.get("tool_calls", []):

@@ -24,6 +24,7 @@ from service.keys import ApiKeys
 from service.metrics import Metrics
 from service.protocol import ProtocolError
 from service.ratelimit import TokenBudget
+from service.reasoning import ThinkPolicy
 from service.resume import ParkedRequests
 from service.tokenizing import PromptTokenizer
 
@@ -107,6 +108,8 @@ class Gateway:
         # filled into every request's unset sampling fields (ServiceConfig.sampling_defaults)
         self.sampling_defaults: dict[str, float] = (
             engine.sampling_defaults if config.sampling_defaults == "model" else {})
+        # whether chat outputs are split into reasoning and content (service.reasoning)
+        self.think = ThinkPolicy(config.reasoning_parser, getattr(engine, "tokenizer", None))
 
     # -- sessions and auth -----------------------------------------------------------------
 
@@ -140,16 +143,19 @@ class Gateway:
                messages: list[dict[str, Any]] | None = None, warm: bool = False,
                tools: list[dict[str, Any]] | None = None,
                output_token_ids: Sequence[int] = (), prompt_ids: list[int] | None = None,
-               hold: Hold | None = None) -> Admission:
+               hold: Hold | None = None,
+               template_kwargs: dict[str, Any] | None = None) -> Admission:
         """Admit a request or raise ProtocolError (overloaded, invalid, too long...).
         `output_token_ids`: a stream continued here from the tokens its client received
         (a resume of a request this server does not hold). `prompt_ids`: the prompt
         already tokenized (`prompt_ids()`); `hold`: the request's hold, which the
-        admission takes over (the caller unholds it if this raises)."""
+        admission takes over (the caller unholds it if this raises). `template_kwargs`:
+        the chat template's extra variables (ThinkPolicy.template_kwargs)."""
         self._check_room(principal, request_id, hold)
         rid = request_id or uuid.uuid4().hex
         ids = (prompt_ids if prompt_ids is not None
-               else self.prompts.ids(prompt, messages, rid, not warm, tools))
+               else self.prompts.ids(prompt, messages, rid, not warm, tools,
+                                     template_kwargs=template_kwargs))
         # the most this request may use: its prompt and every token it may generate
         reserve = len(ids) + params.n * params.max_tokens
         budget = self.token_budget if principal.key is not None else None

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from engine.outputs import RequestOutput
 from service import openai_request
 from service import openai_shapes as shapes
 from service import tools as tool_calls
@@ -88,6 +89,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         openai_request.check_types(body, chat)
         openai_request.check_served(gw, body)
         tools = openai_request.tools_of(body, chat)
+        think = openai_request.think_of(body, chat)
         params = openai_request.sampling_params(body, chat, gw.sampling_defaults)
         if tools is not None and tools.constrained:
             if params.response_format is not None:
@@ -102,7 +104,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
         table = (gw.engine.byte_table(False)
                  if chat and params.logprobs is not None else None)
-        jobs = await submit_all(gw, principal, params, body, chat, tools)
+        jobs = await submit_all(gw, principal, params, body, chat, tools, think)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
@@ -171,6 +173,8 @@ async def _whole(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
     try:
         async for job, last in outputs(jobs):
             job.timings.token(len(last.new_token_ids), gw.log_tokens)
+            if job.think is not None:
+                _split(gw, job, last)
     finally:
         end_all(gw, jobs)
     failed = failure(jobs)
@@ -206,12 +210,24 @@ async def _sse(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
             done = last.outputs[last.index].finish_reason
             if done and (done == "error" or job.adm.failure is not None):
                 continue  # the error event below ends the stream instead
-            if not (last.delta_text or last.new_token_ids or done):
+            text, reasoning = last.delta_text, ""
+            if job.think is not None:
+                parts = _split(gw, job, last)
+                if parts is None:
+                    continue  # the budget cut this sample earlier
+                reasoning, text = parts
+                if job.think.samples[last.index].cut:
+                    done = "length"
+            if not (text or reasoning or last.new_token_ids or done):
                 continue
             c: dict[str, Any] = {"index": job.base + last.index,
                                  "finish_reason": shapes.finish_of(done)}
             if chat and tools is not None:
-                for chunk in shapes.tool_chunks(meta, streams, job, last, tools):
+                if reasoning:  # (it comes before the answer's text and calls)
+                    yield shapes.chunk(meta, chat, [{"index": c["index"], "finish_reason": None,
+                                                     "delta": {"reasoning_content": reasoning}}])
+                for chunk in shapes.tool_chunks(meta, streams, job, last.index, text,
+                                                bool(done), tools):
                     yield chunk
                 calls = streams[(job.base, last.index)]
                 c["delta"] = {}  # the text went out as the chunks above
@@ -220,9 +236,9 @@ async def _sse(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
                 if not done and job.logprobs is False:
                     continue  # this chunk would carry nothing
             elif chat:
-                c["delta"] = {"content": last.delta_text}
+                c["delta"] = shapes.chat_delta(text, reasoning)
             else:
-                c["text"] = last.delta_text
+                c["text"] = text
             c["logprobs"] = shapes.logprobs_of(last, last.index, len(last.new_token_ids), chat,
                                                tok, table)
             sampled = job.adm.stream.sampled_at
@@ -242,3 +258,14 @@ async def _sse(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
         yield "data: [DONE]\n\n"
     finally:
         end_all(gw, jobs)
+
+
+def _split(gw: Gateway, job: Job, last: RequestOutput) -> tuple[str, str] | None:
+    """A thinking model's delta as (reasoning, content); None once the budget has cut
+    its sample. Aborts the request when the budget has cut every sample still running."""
+    assert job.think is not None
+    done = last.outputs[last.index].finish_reason is not None
+    parts = job.think.push(last.index, last.delta_text, len(last.new_token_ids), done)
+    if job.think.should_stop():
+        gw.engine.abort(job.adm.stream.request_id)
+    return parts

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from engine import SamplingParams
 from engine.structured import from_structured_outputs
+from service import reasoning
 from service import tools as tool_calls
 from service.gateway import Gateway
 from service.protocol import MAX_MESSAGES, ProtocolError, check_depth
@@ -28,7 +29,8 @@ FIELDS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
           "response_format": "response_format", "structured_outputs": None,
           "model": None, "stream": None, "stream_options": None, "user": None,
           "logprobs": None, "top_logprobs": None, "messages": None, "prompt": None,
-          "echo": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
+          "echo": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None,
+          **{name: None for name in reasoning.FIELDS}}
 
 
 def sampling_params(body: dict[str, Any], chat: bool,
@@ -127,6 +129,17 @@ def tools_of(body: dict[str, Any], chat: bool) -> tool_calls.Tools | None:
                                 "parameter")
         return None
     return tool_calls.parse(body)
+
+
+def think_of(body: dict[str, Any], chat: bool) -> reasoning.ThinkOptions | None:
+    """A chat request's template variables and reasoning budget (service.reasoning)."""
+    if not chat:
+        extra = [k for k in reasoning.FIELDS if k in body]
+        if extra:
+            raise ProtocolError("invalid_request", f"{extra[0]} is a /v1/chat/completions "
+                                "parameter")
+        return None
+    return reasoning.think_options(body)
 
 
 def inputs(body: dict[str, Any], chat: bool) -> tuple[Any, Any]:

@@ -57,21 +57,29 @@ def choice(job: Job, o: CompletionOutput, chat: bool, tok: Any,
     assert job.last is not None
     c: dict[str, Any] = {"index": job.base + o.index, "finish_reason": finish_of(o.finish_reason)}
     lp = logprobs_of(job.last, o.index, len(o.token_ids), chat, tok, table)
+    text, reasoning = o.text, None
+    if job.think is not None:  # a thinking model's: the answer, and the thinking apart
+        said = job.think.samples[o.index]
+        said.close()
+        text, reasoning = said.content, said.reasoning or None
+        c["finish_reason"] = finish_of(job.think.finish_reason(o.index, o.finish_reason or ""))
     if chat and tools is not None:
         calls = tool_calls.CallStream(tools.constrained)
-        calls.push(o.text)
+        calls.push(text)
         calls.finish()
         c["message"] = calls.message()
         if calls.found_calls and o.finish_reason == "stop":
             c["finish_reason"] = "tool_calls"
     elif chat:
-        c["message"] = {"role": "assistant", "content": o.text}
+        c["message"] = {"role": "assistant", "content": text}
     elif job.echo is not None:
         c["text"] = job.echo + o.text
         if lp is not None:
             lp = {k: v + lp[k] for k, v in _prompt_logprobs(job, tok).items()}
     else:
         c["text"] = o.text
+    if chat and job.think is not None:
+        c["message"]["reasoning_content"] = reasoning
     c["logprobs"] = lp
     return c
 
@@ -85,19 +93,28 @@ def chunk(meta: dict[str, Any], chat: bool, choices: list[dict[str, Any]],
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def chat_delta(text: str, reasoning: str) -> dict[str, Any]:
+    """A chat chunk's delta: its content (always there without reasoning, as before a
+    model thought) and its reasoning_content (when there is some)."""
+    if not reasoning:
+        return {"content": text}
+    return {"reasoning_content": reasoning, **({"content": text} if text else {})}
+
+
 def tool_chunks(meta: dict[str, Any], streams: dict[tuple[int, int], tool_calls.CallStream],
-                job: Job, last: RequestOutput, tools: tool_calls.Tools) -> Iterator[str]:
-    """A delta's text as content and tool-call chunks (its CallStream's), the stream's
-    remainder too once the choice is done."""
-    key = (job.base, last.index)
+                job: Job, index: int, text: str, finished: bool,
+                tools: tool_calls.Tools) -> Iterator[str]:
+    """Sample `index`'s new text (its content, for a thinking model) as content and
+    tool-call chunks (its CallStream's), the stream's remainder too once it is done."""
+    key = (job.base, index)
     calls = streams.get(key)
     if calls is None:
         calls = streams[key] = tool_calls.CallStream(tools.constrained)
-    deltas = calls.push(last.delta_text)
-    if last.outputs[last.index].finish_reason:
+    deltas = calls.push(text)
+    if finished:
         deltas += calls.finish()
     for d in deltas:
-        yield chunk(meta, True, [{"index": job.base + last.index, "delta": d,
+        yield chunk(meta, True, [{"index": job.base + index, "delta": d,
                                   "finish_reason": None}])
 
 

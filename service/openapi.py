@@ -18,6 +18,7 @@ from engine.sampling_params import (MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STR
                                     MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID, MAX_TOKENS, MAX_TOP_K)
 from service.openai_request import MAX_PROMPT_SAMPLES
 from service.protocol import MAX_MESSAGES
+from service.reasoning import EFFORTS, MAX_BUDGET, MAX_KWARG_CHARS, MAX_TEMPLATE_KWARGS
 from service.vllm_api import _version
 
 
@@ -123,6 +124,16 @@ SCHEMAS: dict[str, Any] = {
                                 "function": {"type": "object", "required": ["name"],
                                              "properties": {"name": {"type": "string"}}}}}]}),
             "parallel_tool_calls": _nullable({"type": "boolean"}),
+            # the chat template's variables and reasoning (docs/http.md, "Reasoning")
+            "chat_template_kwargs": _nullable({
+                "type": "object", "maxProperties": MAX_TEMPLATE_KWARGS,
+                "propertyNames": {"pattern": "^[A-Za-z_][A-Za-z0-9_]{0,63}$"},
+                "additionalProperties": {"anyOf": [
+                    {"type": "string", "maxLength": MAX_KWARG_CHARS},
+                    {"type": ["number", "boolean", "null"]}]}}),
+            "enable_thinking": _nullable({"type": "boolean"}),
+            "reasoning_effort": _nullable({"enum": list(EFFORTS)}),
+            "max_reasoning_tokens": _integer(1, MAX_BUDGET),
         }},
     "CompletionRequest": {
         "type": "object", "required": ["prompt"], "additionalProperties": False,
@@ -147,6 +158,8 @@ SCHEMAS: dict[str, Any] = {
                     "message": {"type": "object", "required": ["role", "content"],
                                 "properties": {"role": {"const": "assistant"},
                                                "content": {"type": ["string", "null"]},
+                                               "reasoning_content": {
+                                                   "type": ["string", "null"]},
                                                "tool_calls": {"type": "array", "items": {
                                                    "$ref": "#/components/schemas/ToolCall"}}}},
                     "logprobs": {"type": ["object", "null"]}}}}}},

@@ -146,6 +146,8 @@ class Generate:
     messages: list[dict[str, Any]] | None
     params: SamplingParams
     tools: Any = None  # service.tools.Tools, for a chat request with tools
+    # service.reasoning.ThinkOptions: template variables and the reasoning budget
+    think: Any = None
 
 
 def request_id(msg: dict[str, Any]) -> str:
@@ -170,12 +172,15 @@ def parse_generate(msg: dict[str, Any], defaults: dict[str, Any] | None = None) 
     params = msg.get("params", {})
     if not isinstance(params, dict):
         raise ProtocolError("invalid_request", "params must be an object", rid)
-    from service import tools as tool_calls  # (it imports this module)
+    from service import reasoning
+    from service import tools as tool_calls  # (they import this module)
 
     # null means "unset", as over HTTP: the default (or the field's own) applies
     set_fields = {k: v for k, v in params.items() if v is not None}
     tool_fields = {k: set_fields.pop(k) for k in ("tools", "tool_choice", "parallel_tool_calls")
                    if k in set_fields}
+    think = reasoning.think_options({k: set_fields.pop(k) for k in reasoning.FIELDS
+                                     if k in set_fields}, rid)
     tools = None
     if tool_fields:
         if "messages" not in msg:
@@ -193,7 +198,7 @@ def parse_generate(msg: dict[str, Any], defaults: dict[str, Any] | None = None) 
         sp = SamplingParams.from_dict({**(defaults or {}), **set_fields})
     except (TypeError, ValueError) as e:
         raise ProtocolError("invalid_request", str(e), rid) from None
-    return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp, tools)
+    return Generate(rid, _prompt(msg, rid), _messages(msg, rid), sp, tools, think)
 
 
 @dataclass

@@ -95,7 +95,8 @@ class Session:
                 "resume_grace_s": lim.resume_grace}
 
     def _features(self) -> list[str]:
-        return ["warm", "cancel", "ping"] + (["resume"] if self.limits.resume_grace > 0 else [])
+        return (["warm", "cancel", "ping"] + (["resume"] if self.limits.resume_grace > 0 else [])
+                + (["reasoning"] if self.gw.think.on else []))
 
     # -- what goes out (written by self.sender) --------------------------------------------
 

@@ -35,13 +35,14 @@ class PromptTokenizer:
     async def prompt_ids(self, prompt: str | list[int] | None,
                          messages: list[dict[str, Any]] | None, request_id: str | None,
                          generation_prompt: bool = True,
-                         tools: list[dict[str, Any]] | None = None) -> list[int]:
+                         tools: list[dict[str, Any]] | None = None,
+                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt's token ids, tokenized on the tokenizing thread (a large prompt)
         after a check of its size in bytes against the context window: one that cannot
         fit is refused before any tokenizing."""
         self.check_size(prompt, messages, request_id)
         return await self.off_the_loop(self.ids, prompt, messages, request_id or "",
-                                       generation_prompt, tools, True)
+                                       generation_prompt, tools, True, template_kwargs)
 
     async def off_the_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the tokenizing thread (tokenizer work on a large input)."""
@@ -64,13 +65,18 @@ class PromptTokenizer:
     def ids(self, prompt: str | list[int] | None, messages: list[dict[str, Any]] | None,
             rid: str, generation_prompt: bool = True,
             tools: list[dict[str, Any]] | None = None,
-            any_thread: bool = False) -> list[int]:
+            any_thread: bool = False,
+            template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """The prompt's token ids, tokenized now. `any_thread`: use only what is safe
-        off the event loop (Rust encode)."""
+        off the event loop (Rust encode). `template_kwargs`: the chat template's extra
+        variables (service.reasoning.ThinkOptions)."""
         eng = self.engine
         if not any_thread:
             self.check_size(prompt, messages, rid)
         try:
+            if messages is not None and template_kwargs:
+                return self._render(messages, generation_prompt, tools, any_thread,
+                                    template_kwargs)
             if messages is not None:
                 return eng.apply_chat_template(messages, generation_prompt, tools, any_thread)
             assert prompt is not None
@@ -80,6 +86,19 @@ class PromptTokenizer:
         except Exception as e:  # noqa: BLE001 - a template error is the client's input
             raise ProtocolError("invalid_request", f"cannot apply the chat template: {e}",
                                 rid) from None
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, any_thread: bool,
+                template_kwargs: dict[str, Any]) -> list[int]:
+        """A conversation rendered with extra template variables, then tokenized as the
+        engine's own any-thread path does (the engine's apply_chat_template takes none)."""
+        tok = getattr(self.engine, "tokenizer", None)
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        kw = {"tools": tools} if tools else {}
+        text = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                       tokenize=False, **kw, **template_kwargs)
+        return self.engine.tokenize(text, any_thread)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -13,9 +13,10 @@ from service.gateway import Gateway
 from service.openai_api import error_response
 from service.openai_request import inputs, read_body
 from service.protocol import ProtocolError
+from service.reasoning import think_options
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                   "return_token_strs"}
+                   "return_token_strs", "chat_template_kwargs"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -34,9 +35,9 @@ async def version(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    """POST /tokenize {prompt} or {messages, add_generation_prompt?}: the token ids the
-    completion or chat endpoint would feed the model, {count, max_model_len, tokens,
-    token_strs}."""
+    """POST /tokenize {prompt} or {messages, add_generation_prompt?, chat_template_kwargs?}:
+    the token ids the completion or chat endpoint would feed the model, {count,
+    max_model_len, tokens, token_strs}."""
     gw: Gateway = request.app.state.gateway
     try:
         body = await _request(gw, request, TOKENIZE_FIELDS)
@@ -106,10 +107,14 @@ def _tokenize(gw: Gateway, body: dict[str, Any], any_thread: bool = False) -> li
             return eng.tokenize(prompt, any_thread)
         messages = inputs(body, chat=True)[1]
         generation = _flag(body, "add_generation_prompt", True)
+        kwargs = dict(think_options({"chat_template_kwargs": body.get("chat_template_kwargs")})
+                      .template_kwargs)
         if special:  # the rendered conversation, encoded as a prompt is
             text = _tokenizer(gw).apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=generation)
+                                                      add_generation_prompt=generation, **kwargs)
             return _encode_special(gw, text, any_thread)
+        if kwargs:  # rendered by the service, as the chat endpoint renders them
+            return gw.prompts.ids(None, messages, "", generation, None, any_thread, kwargs)
         return eng.apply_chat_template(messages, generation, any_thread=any_thread)
     except ProtocolError:
         raise

@@ -72,7 +72,7 @@ def service_config(a: argparse.Namespace) -> ServiceConfig:
         allowed_origins=tuple(o for o in (a.allowed_origins or "").split(",") if o),
         limits=limits, ws_compression=a.ws_compression,
         sampling_defaults=a.sampling_defaults, metrics_key=a.metrics_key,
-        shutdown_grace=a.shutdown_grace)
+        shutdown_grace=a.shutdown_grace, reasoning_parser=a.reasoning_parser)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -123,6 +123,12 @@ def _front_args(p: argparse.ArgumentParser) -> None:
             help="model: apply the model's default sampling parameters (generation_config.json "
                  "or the registry) to requests that leave them unset; none: OpenAI's defaults "
                  "(temperature 1, top_p 1)")
+    env_arg(sm, "--reasoning-parser", "REASONING_PARSER", default="auto",
+            choices=["auto", "none", "think"],
+            help="split chat outputs into reasoning (<think>...</think>) and the answer: "
+                 "reasoning_content over HTTP, `reasoning` in socket deltas; auto: when the "
+                 "model's chat template mentions <think>; think: always; none: never (the "
+                 "thinking stays in the text)")
     env_arg(sm, "--seed", "SEED", type=int, default=None, metavar="N",
             default_text="none, each unseeded request draws from OS entropy",
             help="seed for requests that set none (reproducible runs)")

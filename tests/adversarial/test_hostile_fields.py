@@ -88,7 +88,8 @@ PARAM_FIELDS = ["max_tokens", "min_tokens", "temperature", "top_k", "top_p", "mi
                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
                 "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "n",
                 "skip_special_tokens", "response_format", "speculative", "tools",
-                "tool_choice", "parallel_tool_calls"]
+                "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "enable_thinking",
+                "reasoning_effort", "max_reasoning_tokens"]
 FIELDS = {
     "generate": ["id", "prompt", "prompt_token_ids", "messages", "priority", "params",
                  *(f"params.{p}" for p in PARAM_FIELDS)],
@@ -278,7 +279,9 @@ def test_hostile_values_in_every_socket_field(server, proto) -> None:
 HTTP_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens",
                "temperature", "top_p", "n", "stop", "seed", "logit_bias", "logprobs",
                "top_logprobs", "top_k", "min_tokens", "stop_token_ids", "response_format",
-               "tools", "tool_choice", "stream", "stream_options", "echo", "user"]
+               "tools", "tool_choice", "stream", "stream_options", "echo", "user",
+               "chat_template_kwargs", "enable_thinking", "reasoning_effort",
+               "max_reasoning_tokens"]
 
 
 def post(url: str, body: str) -> int:

@@ -44,6 +44,9 @@ export interface DeltaEvent {
   logprobs?: { token_id: number; logprob: number; top: [number, number][] }[];
   /** with tools: the tool-call deltas this text completed (OpenAI's streaming shape) */
   tool_calls?: ToolCallDelta[];
+  /** a thinking model's reasoning that this delta adds (absent when none); `text` is
+   * then the answer only */
+  reasoning?: string;
 }
 
 /** A tool call, whole: `arguments` is a JSON string. */
@@ -134,6 +137,14 @@ export interface SamplingParams {
   tools?: Tool[];
   tool_choice?: ToolChoice;
   parallel_tool_calls?: boolean;
+  /** chat only: variables for the model's chat template (null, booleans, numbers, strings) */
+  chat_template_kwargs?: Record<string, string | number | boolean | null>;
+  /** chat only: `chat_template_kwargs.enable_thinking` (Qwen3-style templates) */
+  enable_thinking?: boolean;
+  /** chat only: accepted and ignored */
+  reasoning_effort?: "none" | "minimal" | "low" | "medium" | "high" | "xhigh";
+  /** chat only: a sample still thinking after this many tokens ends there ("length") */
+  max_reasoning_tokens?: number;
 }
 
 export interface RequestOptions extends SamplingParams {
@@ -155,6 +166,9 @@ export interface Completion {
   id: string;
   text: string;
   texts: string[];
+  /** a thinking model's reasoning ("" when it thought nothing): `text` is the answer */
+  reasoning: string;
+  reasonings: string[];
   tokenIds: number[][];
   status: DoneEvent["status"];
   finishReason: DoneEvent["finish_reason"];

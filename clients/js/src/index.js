@@ -130,6 +130,7 @@ export class Stream {
     this._chan = new Channel();
     this._finished = false;
     this._texts = [];
+    this._reasonings = [];
     this._tokens = [];
     this.lastSeq = 0; // of the newest delta received: where a resume picks up
     if (signal) {
@@ -165,6 +166,7 @@ export class Stream {
     else if (item.type === "delta") {
       const i = item.index ?? 0;
       (this._texts[i] ??= []).push(item.text);
+      if (item.reasoning) (this._reasonings[i] ??= []).push(item.reasoning);
       (this._tokens[i] ??= []).push(...item.token_ids);
     } else if (item.type === "done") {
       this.done = item;
@@ -186,7 +188,7 @@ export class Stream {
     };
   }
 
-  /** Only the text of each delta. */
+  /** Only the text of each delta (a thinking model's answer, without its reasoning). */
   async *textStream() {
     for await (const ev of this) {
       if (ev.type === "delta" && ev.text) yield ev.text;
@@ -196,12 +198,16 @@ export class Stream {
   /** Read to the end; the whole result. */
   async final() {
     while ((await this.nextEvent()) !== null);
-    const n = Math.max(this._texts.length, this._tokens.length, 1);
+    const n = Math.max(this._texts.length, this._tokens.length, this._reasonings.length, 1);
     const texts = Array.from({ length: n }, (_, i) => (this._texts[i] ?? []).join(""));
+    const reasonings = Array.from({ length: n }, (_, i) => (this._reasonings[i] ?? []).join(""));
     return {
       id: this.id,
       text: texts[0],
       texts,
+      // a thinking model's reasoning ("" when it thought nothing); text is then the answer
+      reasoning: reasonings[0],
+      reasonings,
       tokenIds: Array.from({ length: n }, (_, i) => this._tokens[i] ?? []),
       status: this.done.status,
       finishReason: this.done.finish_reason,

@@ -45,6 +45,7 @@ class AsyncStream:
         self.done: Optional[DoneEvent] = None
         self._finished = False
         self._texts: Dict[int, List[str]] = {}
+        self._reasonings: Dict[int, List[str]] = {}
         self._tokens: Dict[int, List[int]] = {}
         self.last_seq = 0  # of the newest delta received: where a resume picks up
 
@@ -71,6 +72,8 @@ class AsyncStream:
             self.start = item
         elif isinstance(item, DeltaEvent):
             self._texts.setdefault(item.index, []).append(item.text)
+            if item.reasoning:
+                self._reasonings.setdefault(item.index, []).append(item.reasoning)
             self._tokens.setdefault(item.index, []).extend(item.token_ids)
         elif isinstance(item, DoneEvent):
             self.done = item
@@ -89,7 +92,8 @@ class AsyncStream:
                 self.close()
 
     async def text_stream(self) -> AsyncIterator[str]:
-        """Only the text of each delta, as it arrives."""
+        """Only the text of each delta, as it arrives (a thinking model's answer,
+        without its reasoning)."""
         async for ev in self:
             if isinstance(ev, DeltaEvent) and ev.text:
                 yield ev.text
@@ -99,12 +103,13 @@ class AsyncStream:
         while await self.next_event() is not None:
             pass
         assert self.done is not None
-        n = max([*self._texts, *self._tokens, 0]) + 1
+        n = max([*self._texts, *self._tokens, *self._reasonings, 0]) + 1
         return Completion(self.id, ["".join(self._texts.get(i, [])) for i in range(n)],
                           [self._tokens.get(i, []) for i in range(n)], self.done.status,
                           self.done.finish_reason, self.done.usage, self.done.timings,
                           self.start.cached_tokens if self.start else CachedTokens(),
-                          self.done.tool_calls, self.done.content)
+                          self.done.tool_calls, self.done.content,
+                          reasonings=["".join(self._reasonings.get(i, [])) for i in range(n)])
 
     async def cancel(self) -> None:
         """Ask the server to stop; the stream then ends with a `cancelled` DoneEvent."""
@@ -133,7 +138,8 @@ class AsyncChat(_Namespace):
     async def stream(self, messages: Messages, *, request_id: Optional[str] = None,
                      **params: Any) -> AsyncStream:
         """Start a chat completion; `params` are sampling parameters (max_tokens,
-        temperature, top_p, top_k, stop, seed, n, logprobs, ...)."""
+        temperature, top_p, top_k, stop, seed, n, logprobs, ...) and the chat's own
+        (tools, enable_thinking, chat_template_kwargs, max_reasoning_tokens, ...)."""
         return await self._client._generate({"messages": list(messages)}, params, request_id)
 
     async def create(self, messages: Messages, **params: Any) -> Completion:

@@ -72,7 +72,9 @@ class StartEvent:
 
 @dataclass(frozen=True)
 class DeltaEvent:
-    """New text and token ids; `seq` grows by one per delta, `index` is the sample."""
+    """New text and token ids; `seq` grows by one per delta, `index` is the sample.
+    From a thinking model (the server splits its output), `text` is the answer only and
+    `reasoning` the thinking this delta adds ("" when none)."""
 
     id: str
     seq: int
@@ -83,6 +85,7 @@ class DeltaEvent:
     # with tools: tool-call deltas (OpenAI's shape: index, then id/type/name once and
     # argument fragments) that this delta's text completed
     tool_calls: Optional[List[Dict[str, Any]]] = None
+    reasoning: str = ""
     type: str = "delta"
 
 
@@ -111,7 +114,8 @@ def parse_event(frame: Dict[str, Any]) -> Event:
     if kind == "delta":
         return DeltaEvent(frame["id"], int(frame["seq"]), frame.get("text", ""),
                           list(frame.get("token_ids", [])), int(frame.get("index", 0)),
-                          frame.get("logprobs"), frame.get("tool_calls"))
+                          frame.get("logprobs"), frame.get("tool_calls"),
+                          frame.get("reasoning", ""))
     if kind == "start":
         return StartEvent(frame["id"], int(frame.get("prompt_tokens", 0)),
                           CachedTokens.parse(frame.get("cached_tokens")),
@@ -141,11 +145,19 @@ class Completion:
     tool_calls: Optional[List[Dict[str, Any]]] = None  # with tools: the calls, whole
     content: Any = None  # with tools: the text outside the calls
     parsed: Any = None  # chat.parse(): the output as the response_format's type
+    # a thinking model's reasoning per sample ("" when it thought nothing); `texts` then
+    # hold the answers alone
+    reasonings: List[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         """The first (usually the only) sample's text."""
         return self.texts[0] if self.texts else ""
+
+    @property
+    def reasoning(self) -> str:
+        """The first sample's reasoning ("" when the model did not think)."""
+        return self.reasonings[0] if self.reasonings else ""
 
 
 def wire_params(params: Dict[str, Any]) -> Dict[str, Any]:

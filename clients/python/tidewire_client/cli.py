@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 from tidewire_client._errors import TidewireError
 from tidewire_client._sync import Client
+from tidewire_client._types import DeltaEvent
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -45,10 +46,20 @@ def _answer(client: Client, history: List[Dict[str, str]], a: argparse.Namespace
     parts: List[str] = []
     sampling = {} if a.temperature is None else {"temperature": a.temperature}
     stream = client.chat.stream(history, max_tokens=a.max_tokens, **sampling)
+    thinking = False
     try:
-        for text in stream.text_stream():
-            parts.append(text)
-            print(text, end="", flush=True)
+        for ev in stream:
+            if not isinstance(ev, DeltaEvent):
+                continue
+            if ev.reasoning:  # a thinking model's thoughts: dimmed, on stderr, not kept
+                thinking = True
+                print(f"\x1b[2m{ev.reasoning}\x1b[0m", end="", file=sys.stderr, flush=True)
+            if ev.text:
+                if thinking:  # the answer starts on a line of its own
+                    thinking = False
+                    print(file=sys.stderr, flush=True)
+                parts.append(ev.text)
+                print(ev.text, end="", flush=True)
     except KeyboardInterrupt:
         stream.close()
         print(" [stopped]", end="")
