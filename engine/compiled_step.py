@@ -52,6 +52,9 @@ class CompiledDecodeStep:
         # each layer's sliding window (0: full); empty where no layer has one
         self.windows = [layer.window for layer in model.layers] if model.arch.layer_windows \
             else []
+        # each layer's q and k norms (Qwen3); empty where the family has none
+        self.qk_norms = [n for layer in model.layers for n in (layer.q_norm, layer.k_norm)
+                         if n is not None]
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
         self.steps = 0  # decode steps run here (tests check which path ran)
@@ -73,6 +76,6 @@ class CompiledDecodeStep:
             logits, x, positions, meta.slot_mapping, meta.block_table, meta.seq_lens,
             meta.query_start, m.cos, m.sin, self.k_caches, self.v_caches, self.norms,
             self.weights, self.scales, self.biases, a.rms_norm_eps, m.attn.scale, a.num_heads,
-            self.windows)
+            self.windows, self.qk_norms)
         self.steps += 1
         return logits

@@ -55,8 +55,8 @@ class OpsKind(enum.Enum):
 
 
 # what of ModelArch.features the compiled whole-model decode step runs (a Llama stack
-# with a sliding window per layer)
-COMPILED_STEP_FEATURES = frozenset({"sliding_window"})
+# with a sliding window per layer, q and k heads RMS-normed before rotary: Qwen3)
+COMPILED_STEP_FEATURES = frozenset({"sliding_window", "qk_norm"})
 
 
 class FastPath(enum.Enum):

@@ -269,7 +269,7 @@ def test_decode_step_attends_through_each_layers_window(windows) -> None:
         logits, xs = torch.empty(4, vocab), x.clone()
         torch.ops.tidewire.decode_step(logits, xs, positions, slots, table, lens, qstart, cos,
                                        sin, ks, vs, norms, linears, [None] * len(linears),
-                                       [None] * len(linears), 1e-5, d**-0.5, heads, wins)
+                                       [None] * len(linears), 1e-5, d**-0.5, heads, wins, [])
         return logits
 
     got = step(windows, True)

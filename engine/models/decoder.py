@@ -69,8 +69,10 @@ class DecoderModel:
             features.add("partial_rotary")
         if fields.get("rope_layers") and not all(fields["rope_layers"]):
             features.add("nope")
-        if cls.qk_norm or cls.qk_norm_whole:
-            features.add("qk_norm")
+        if cls.qk_norm:
+            features.add("qk_norm")  # per head
+        if cls.qk_norm_whole:
+            features.add("qk_norm_whole")
         act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None)
         if activation_of(act or "silu") != "silu":
             features.add("gelu")

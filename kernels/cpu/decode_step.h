@@ -5,7 +5,7 @@
 // here one OpenMP team lives through the step and its threads meet at barriers between
 // the phases, so the step costs little more than reading the weights. Layers may attend
 // through sliding windows of their own (StepModel::windows): one attention plan per
-// distinct window.
+// distinct window; q and k heads may be RMS-normed before rotary (StepModel::qk_norms).
 #pragma once
 
 #include <omp.h>
@@ -40,6 +40,9 @@ struct StepModel {
   std::vector<void*> k_caches, v_caches;
   int64_t num_blocks, block_size;
   std::vector<int64_t> windows;  // per layer, AttnShape::window (empty: every layer full)
+  // per layer q's then k's RMSNorm weight [head_dim], applied to each head before rotary
+  // (Qwen3); empty: none
+  std::vector<const T*> qk_norms;
 };
 
 inline void split(int64_t n, int tid, int nt, int64_t align, int64_t& b, int64_t& e) {
@@ -156,6 +159,15 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
       step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n);
 #pragma omp barrier
       const auto kv = step_kv<T, C>(m, l);
+      if (!m.qk_norms.empty()) {  // each q and k head of this thread's rows, in place
+        const T* qn = m.qk_norms[2 * l];
+        const T* kn = m.qk_norms[2 * l + 1];
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t hd = 0; hd < H + KVH; ++hd) {
+            T* head = qkv.data() + r * qkv_out + hd * D;
+            rms_norm_row(head, head, head, hd < H ? qn : kn, D, m.eps, false);
+          }
+      }
       for (int64_t r = r0; r < r1; ++r)
         rope_cache_token(qkv.data() + r * qkv_out, positions[r], cos_t, sin_t, kv, slots[r], H,
                          KVH, D);
