@@ -53,9 +53,9 @@ def models_text() -> str:
         lines.append(f"  {'':<10} {fam.examples}")
     lines += [
         "",
-        "  Any other model_type is refused at load with the list above. Plain Llama-shaped",
-        "  models decode through the fused compiled step on the CPU; the others (q/k norms,",
-        "  sliding windows, partial or no rotary, Gemma's norms, experts) on the eager path.",
+        "  Any other model_type is refused at load with the list above. On the CPU, Llama,",
+        "  Qwen2, Mistral and Qwen3 decode through the fused compiled step; the others",
+        "  (partial or no rotary, Gemma's norms, experts) on the eager path.",
         "",
         "--model also takes:",
         "  an HF model directory  config.json + *.safetensors, and the tokenizer files;",
