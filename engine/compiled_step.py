@@ -55,6 +55,8 @@ class CompiledDecodeStep:
         # each layer's q and k norms (Qwen3); empty where the family has none
         self.qk_norms = [n for layer in model.layers for n in (layer.q_norm, layer.k_norm)
                          if n is not None]
+        # which layers rotate (SmolLM3's NoPE layers do not); empty: all
+        self.rope_layers = [int(r) for r in model.arch.rope_layers]
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
         self.steps = 0  # decode steps run here (tests check which path ran)
@@ -76,6 +78,6 @@ class CompiledDecodeStep:
             logits, x, positions, meta.slot_mapping, meta.block_table, meta.seq_lens,
             meta.query_start, m.cos, m.sin, self.k_caches, self.v_caches, self.norms,
             self.weights, self.scales, self.biases, a.rms_norm_eps, m.attn.scale, a.num_heads,
-            self.windows, self.qk_norms)
+            self.windows, self.qk_norms, a.rotary_dim, self.rope_layers)
         self.steps += 1
         return logits

@@ -54,9 +54,11 @@ class OpsKind(enum.Enum):
     COMPILED = "compiled"  # the compiled CPU kernels; rope also writes the KV cache
 
 
-# what of ModelArch.features the compiled whole-model decode step runs (a Llama stack
-# with a sliding window per layer, q and k heads RMS-normed before rotary: Qwen3)
-COMPILED_STEP_FEATURES = frozenset({"sliding_window", "qk_norm"})
+# what of ModelArch.features the compiled whole-model decode step runs: a Llama stack
+# with a sliding window per layer (Mistral), q and k heads RMS-normed before rotary
+# (Qwen3), layers without rotary (SmolLM3), rotary on part of each head (Phi-3; a multiple
+# of 32 dims)
+COMPILED_STEP_FEATURES = frozenset({"sliding_window", "qk_norm", "nope", "partial_rotary"})
 
 
 class FastPath(enum.Enum):
@@ -218,7 +220,8 @@ class Platform:
             fast = FastPath.NONE
         elif not cpu:
             fast = FastPath.CUDA_GRAPHS
-        elif ops is OpsKind.COMPILED and readable and arch.features <= COMPILED_STEP_FEATURES:
+        elif (ops is OpsKind.COMPILED and readable and arch.features <= COMPILED_STEP_FEATURES
+              and arch.head_rotary_dim % 32 == 0):
             # the compiled step runs a Llama stack (sliding windows included): other
             # families decode eagerly
             fast = FastPath.COMPILED_STEP

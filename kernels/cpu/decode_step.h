@@ -5,7 +5,8 @@
 // here one OpenMP team lives through the step and its threads meet at barriers between
 // the phases, so the step costs little more than reading the weights. Layers may attend
 // through sliding windows of their own (StepModel::windows): one attention plan per
-// distinct window; q and k heads may be RMS-normed before rotary (StepModel::qk_norms).
+// distinct window; q and k heads may be RMS-normed before rotary (StepModel::qk_norms),
+// rotate in part (rotary_dim) or not at all (rope_layers).
 #pragma once
 
 #include <omp.h>
@@ -43,6 +44,8 @@ struct StepModel {
   // per layer q's then k's RMSNorm weight [head_dim], applied to each head before rotary
   // (Qwen3); empty: none
   std::vector<const T*> qk_norms;
+  int64_t rotary_dim = 0;  // the dims of each head that rotate (Phi-3: fewer than head_dim)
+  std::vector<int64_t> rope_layers;  // per layer 1 (rotary) or 0 (NoPE); empty: all rotary
 };
 
 inline void split(int64_t n, int tid, int nt, int64_t align, int64_t& b, int64_t& e) {
@@ -170,7 +173,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
       }
       for (int64_t r = r0; r < r1; ++r)
         rope_cache_token(qkv.data() + r * qkv_out, positions[r], cos_t, sin_t, kv, slots[r], H,
-                         KVH, D);
+                         KVH, D, m.rope_layers.empty() || m.rope_layers[l] ? m.rotary_dim : 0);
 #pragma omp barrier
       AttnPlan& plan = attn.plans[attn.of_layer[l]];
       const AttnShape& lsh = attn.shapes[attn.of_layer[l]];

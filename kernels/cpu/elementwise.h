@@ -60,12 +60,13 @@ void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t row
 // Neox rotary embedding of q and k heads in place, in each row of qkv [tokens, (heads +
 // 2 * kv_heads) * head_dim] (row stride `row`), then k and v of each token stored at
 // its cache slot through `kv` (PlainKV or Q8KV, kv_q8.h; a slot it does not hold: not
-// stored). cos, sin: fp32 [max_positions, head_dim / 2].
+// stored). The first `rot` dims of each head rotate (rot == d: all; fewer: Phi-3's
+// partial rotary; 0: none, a NoPE layer); cos, sin: fp32 [max_positions, rot / 2].
 template <typename T, typename KV>
 inline void rope_cache_token(T* x, int64_t position, const float* cos_t, const float* sin_t,
                              const KV& kv, int64_t slot, int64_t heads, int64_t kv_heads,
-                             int64_t d) {
-  const int64_t half = d / 2;
+                             int64_t d, int64_t rot) {
+  const int64_t half = rot / 2;
   const float* c = cos_t + position * half;
   const float* s = sin_t + position * half;
   for (int64_t h = 0; h < heads + kv_heads; ++h) {
@@ -101,7 +102,7 @@ void rope_and_cache(T* qkv, int64_t row, const int64_t* positions, const float* 
     }
     for (int64_t t = t0; t < t1; ++t)
       rope_cache_token(qkv + t * row, positions[t], cos_t, sin_t, kv, slots[t], heads, kv_heads,
-                       d);
+                       d, d);
   });
 }
 

@@ -246,7 +246,8 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
                         const c10::List<c10::optional<at::Tensor>>& biases,
                         const at::TensorList k_caches, const at::TensorList v_caches,
                         int64_t num_heads, double eps, at::IntArrayRef windows,
-                        const at::TensorList qk_norms) {
+                        const at::TensorList qk_norms, int64_t rotary_dim,
+                        at::IntArrayRef rope_layers) {
   const int64_t layers = k_caches.size();
   check(layers >= 1 && v_caches.size() == size_t(layers) && norms.size() == size_t(2 * layers + 1) &&
             linears.size() == size_t(4 * layers + 1) && scales.size() == linears.size() &&
@@ -272,6 +273,12 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
     check(win >= 0 && win <= std::numeric_limits<int32_t>::max(),
           "decode_step: a window must be 0 (full attention) or a positive number of keys");
   m.windows.assign(windows.begin(), windows.end());
+  m.rotary_dim = rotary_dim ? rotary_dim : m.head_dim;
+  check(m.rotary_dim % (2 * kLanes) == 0 && m.rotary_dim <= m.head_dim,
+        "decode_step: rotary_dim must be a multiple of 32, at most head_dim");
+  check(rope_layers.empty() || int64_t(rope_layers.size()) == layers,
+        "decode_step: rope_layers must be empty or one per layer");
+  m.rope_layers.assign(rope_layers.begin(), rope_layers.end());
   check(qk_norms.empty() || int64_t(qk_norms.size()) == 2 * layers,
         "decode_step: qk_norms must be empty or two per layer (q's, then k's)");
   for (const auto& t : qk_norms) {
@@ -369,7 +376,8 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
                  at::TensorList norms, at::TensorList linears,
                  const c10::List<c10::optional<at::Tensor>>& scales,
                  const c10::List<c10::optional<at::Tensor>>& biases, double eps, double scale,
-                 int64_t num_heads, at::IntArrayRef windows, at::TensorList qk_norms) {
+                 int64_t num_heads, at::IntArrayRef windows, at::TensorList qk_norms,
+                 int64_t rotary_dim, at::IntArrayRef rope_layers) {
   const int64_t rows = x.size(0), num_seqs = seq_lens.size(0);
   check(rows >= 1 && rows <= kMaxLinearRows, "decode_step takes 1 to 8 query tokens");
   check(x.is_contiguous() && logits.is_contiguous() && logits.size(0) == rows &&
@@ -398,15 +406,16 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
   const bool q8 = !k_caches.empty() && k_caches[0].scalar_type() == at::kByte;
   if (x.scalar_type() == at::kFloat) {
     auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps,
-                               windows, qk_norms);
-    check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
+                               windows, qk_norms, rotary_dim, rope_layers);
+    check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.rotary_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<float>(logits, x, positions, slot_mapping, block_table, seq_lens,
                              query_start, cos, sin, m, scale, q8);
   } else if (x.scalar_type() == at::kBFloat16) {
     auto m = step_model<c10::BFloat16>(norms, linears, scales, biases, k_caches, v_caches,
-                                       num_heads, eps, windows, qk_norms);
-    check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.head_dim / 2,
+                                       num_heads, eps, windows, qk_norms, rotary_dim,
+                                       rope_layers);
+    check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.rotary_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<c10::BFloat16>(logits, x, positions, slot_mapping, block_table, seq_lens,
                                      query_start, cos, sin, m, scale, q8);
@@ -481,7 +490,7 @@ TORCH_LIBRARY(tidewire, m) {
         "Tensor block_table, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor[] norms, Tensor[] linears, "
         "Tensor?[] scales, Tensor?[] biases, float eps, float scale, int num_heads, "
-        "int[] windows, Tensor[] qk_norms) -> ()",
+        "int[] windows, Tensor[] qk_norms, int rotary_dim=0, int[] rope_layers=[]) -> ()",
         &tw::decode_step);
   m.def("linear_small(Tensor(a!) out, Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> ()",
         &tw::linear_small);
