@@ -69,9 +69,10 @@ chaos: install
 	TIDEWIRE_CHAOS_FULL=1 $(VPY) -m pytest -rs -s tests/chaos
 
 # every model family x engine path x regime against HF transformers (make test runs each
-# family once per path with the regimes combined, the Triton interpreter on three)
+# family once per path with the regimes combined, the Triton interpreter on three), and
+# a GGUF of every family written by llama.cpp's converter (make test: five of them)
 families: install
-	TIDEWIRE_FAMILY_MATRIX=1 $(VPY) -m pytest -rs tests/test_families.py
+	TIDEWIRE_FAMILY_MATRIX=1 $(VPY) -m pytest -rs tests/test_families.py tests/test_gguf_families.py
 
 # replicas behind HAProxy on the default model, with the cross-replica prefix timing
 # (`pytest` with no arguments runs the topology on a tiny model; make test leaves it out)

