@@ -150,12 +150,14 @@ class InputProcessor:
             raise ValueError(f"token ids must be integers in [0, {vocab})")
 
     def _check_token_ids(self, params: SamplingParams) -> None:
-        """Token ids a request names (logit_bias keys, stop_token_ids) are this model's."""
+        """Token ids a request names (logit_bias keys, stop_token_ids, the thinking's
+        start and end) are this model's."""
         vocab = self.limits.vocab_size
-        bad = [t for t in (*params.logit_bias, *params.stop_token_ids) if t >= vocab]
+        bad = [t for t in (*params.logit_bias, *params.stop_token_ids, *params.think_start_ids,
+                           *params.think_end_ids) if t >= vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} (in logit_bias or stop_token_ids) is not in "
-                             f"this model's vocabulary of {vocab}")
+            raise ValueError(f"token id {bad[0]} (in logit_bias, stop_token_ids or the "
+                             f"thinking's ids) is not in this model's vocabulary of {vocab}")
 
     def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
         """The prompt plus max_tokens fits the context window and the KV pool."""

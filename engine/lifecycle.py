@@ -10,7 +10,7 @@ from typing import Protocol
 
 from engine.constraints import CompileQueue, attach_matcher
 from engine.output_processor import OutputProcessor, ended
-from engine.outputs import StepOutput
+from engine.outputs import StepOutput, TokenLogprob
 from engine.request import ParentRequest, Request, RequestStatus
 from engine.runner import request_fault
 from engine.scheduler import Scheduler
@@ -190,6 +190,9 @@ class RequestLifecycle:
     def emit(self, r: Request, new: list[int], logprobs: list | None,
              sampled_at: float = 0.0) -> StepOutput:
         """The sample's output (OutputProcessor.emit); a finished one is released."""
+        think = r.thinking
+        if think is not None and think.forced and logprobs and new:
+            logprobs = [*logprobs[:-1], forced_logprob(new[-1], r.params.logprobs or 0)]
         out = self.outputs.emit(r, new, logprobs, sampled_at)
         if out.finished:
             self._release(r)
@@ -205,3 +208,8 @@ class RequestLifecycle:
         if parent is not None and parent.finished(r.request_id):
             del self.parents[r.parent_id]
 
+
+def forced_logprob(token: int, top: int) -> TokenLogprob:
+    """The logprobs of a token the thinking budget forced (the step's newest): those of
+    the forcing, as if a constraint allowed only it (SamplingParams)."""
+    return TokenLogprob(token, 0.0, [(token, 0.0)] if top else [])

@@ -77,6 +77,9 @@ class Request:
     spec_resume_step: int = 0  # the off-switch: no proposals before this engine step
     spec_trips: int = 0  # times the off-switch tripped
     num_new_tokens_last: int = 1  # tokens the last step appended (several when speculating)
+    # SamplingParams.thinking_budget: this sample's thinking and the close it forces
+    # (None without a budget: the scheduler's per-token cost is this one check)
+    thinking: ThinkingBudget | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -132,6 +135,8 @@ class Request:
 
     def __post_init__(self) -> None:
         self.parent_id = self.parent_id or self.request_id
+        if self.params.thinking_budget is not None:
+            self.thinking = ThinkingBudget(self.params, self.prompt_token_ids)
 
     def check_stop(self) -> RequestStatus | None:
         """The finished status after the newest token, or None to keep going.
@@ -145,6 +150,96 @@ class Request:
         if self.num_output_tokens >= self.params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+_BEFORE, _OPEN, _DONE = 0, 1, 2  # ThinkingBudget.state
+
+
+class ThinkingBudget:
+    """One sample's thinking against SamplingParams.thinking_budget. It counts the tokens
+    generated while the thinking is open; once they reach the budget, the next tokens
+    appended are the close (`think_end_ids`; only its rest where the output already ends
+    with a beginning of it) in place of the sampled ones, one a step, so the model reads
+    each as its next input and then answers. The thinking is open from the start where
+    the prompt left it open, or opens where the output begins with `think_start_ids`;
+    once closed it stays closed. A function of the prompt and the output alone: a
+    request recomputed from its tokens keeps it, and one continued from tokens made
+    elsewhere rebuilds it from them before its next token."""
+
+    __slots__ = ("budget", "start", "end", "state", "spent", "closing", "seen", "forced")
+
+    def __init__(self, params: SamplingParams, prompt: list[int]) -> None:
+        self.budget: int = params.thinking_budget or 0
+        self.start, self.end = params.think_start_ids, params.think_end_ids
+        opened = params.thinking_open or bool(
+            self.start and _ends_with(prompt, len(prompt), self.start))
+        self.state = _OPEN if opened else _BEFORE if self.start else _DONE
+        self.spent = 0  # tokens generated while open (the forced ones not counted)
+        self.closing = 0 if opened and self.budget == 0 else -1  # next forced: end[closing]
+        self.seen = 0  # output tokens taken so far
+        self.forced = False  # the newest token was forced
+
+    def take(self, output: list[int], sampled: int) -> int:
+        """The token to append to `output` in place of `sampled` (itself, or the next
+        id of the close), with the state moved past it."""
+        if self.seen < len(output):  # tokens it never took: a stream continued here
+            self._replay(output)
+        self.seen += 1
+        self.forced = self.closing >= 0
+        if self.forced:
+            return self._force()
+        self._step(output, len(output), sampled)
+        return sampled
+
+    def _force(self) -> int:
+        token = self.end[self.closing]
+        self.closing += 1
+        if self.closing == len(self.end):
+            self.closing, self.state = -1, _DONE
+        return token
+
+    def _step(self, output: list[int], n: int, t: int) -> None:
+        """`t` generated after output[:n]."""
+        if self.state == _BEFORE:  # output[:n] is the start of `start` so far
+            if t != self.start[n]:
+                self.state = _DONE
+            elif n + 1 == len(self.start):
+                self.state = _OPEN
+                if self.budget == 0:
+                    self.closing = 0
+        elif self.state == _OPEN:
+            self.spent += 1
+            if _ends_with(output, n, self.end, t):
+                self.state = _DONE
+            elif self.spent >= self.budget:
+                self.closing = _partial(output, n, self.end, t)
+
+    def _replay(self, output: list[int]) -> None:
+        """Take output[seen:] as if appended one by one (the forced places as forced)."""
+        for i in range(self.seen, len(output)):
+            if self.closing >= 0:
+                self._force()
+            else:
+                self._step(output, i, output[i])
+        self.seen = len(output)
+
+
+def _ends_with(seq: list[int], n: int, ids: tuple[int, ...], t: int | None = None) -> bool:
+    """seq[:n] (then `t`, when given) ends with `ids`."""
+    if t is not None:
+        if t != ids[-1]:
+            return False
+        ids = ids[:-1]
+    m = len(ids)
+    return m <= n and all(seq[n - m + j] == ids[j] for j in range(m))
+
+
+def _partial(seq: list[int], n: int, ids: tuple[int, ...], t: int) -> int:
+    """The longest proper beginning of `ids` that seq[:n] + [t] ends with (its length)."""
+    for k in range(min(len(ids) - 1, n + 1), 0, -1):
+        if _ends_with(seq, n, ids[:k], t):
+            return k
+    return 0
 
 
 class ParentRequest:

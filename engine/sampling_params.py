@@ -22,6 +22,7 @@ MAX_TOP_K = 1 << 20  # a top_k past the vocabulary means all of it
 MAX_TOKEN_ID = (1 << 31) - 1  # logit_bias keys, stop_token_ids
 MAX_LOGIT_BIAS = 1024  # entries
 MAX_STOP_TOKEN_IDS = 1024
+MAX_THINK_IDS = 64  # think_start_ids, think_end_ids
 # n x max_tokens x (1 + logprobs): the tokens and alternatives one request may produce
 MAX_REQUEST_WORK = 1 << 21
 
@@ -42,6 +43,16 @@ def _integer(name: str, value: Any, lo: int, hi: int | None = None) -> None:
     raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
 
 
+def _token_ids(name: str, ids: Any, most: int) -> tuple[int, ...]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ValueError(f"{name} must be a list of integers")
+    if len(ids) > most:
+        raise ValueError(f"{name} takes at most {most} ids, got {len(ids)}")
+    for t in ids:
+        _integer(name, t, 0, MAX_TOKEN_ID)
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples its output tokens.
@@ -58,6 +69,15 @@ class SamplingParams:
     not allow next are masked before step 1, so logprobs are those of the constrained
     distribution; min_tokens does not hold a constrained output open past the
     constraint's end.
+    `thinking_budget` bounds a thinking model's thinking (engine/request.py
+    ThinkingBudget): once a sample has generated that many tokens while thinking, the
+    engine appends `think_end_ids` (the close, as the chat template writes it) in place
+    of what it samples, one a step, and the model goes on to answer. The thinking is
+    open from the start when `thinking_open` or the prompt ends with `think_start_ids`,
+    else it opens when the output begins with them. A forced token counts toward
+    max_tokens and stop conditions like any other; its logprobs are those of the
+    forcing (logprob 0, itself its only alternative), as if a constraint allowed only
+    it. Not with response_format (the close would break the constraint).
     """
 
     max_tokens: int = 16
@@ -82,6 +102,11 @@ class SamplingParams:
     # False: this request never runs speculative proposals (an engine started with
     # speculative decoding otherwise proposes for every decoding request)
     speculative: bool = True
+    # a thinking model's budget (None: none), and how its thinking opens and closes
+    thinking_budget: int | None = None
+    think_end_ids: tuple[int, ...] = ()
+    think_start_ids: tuple[int, ...] = ()
+    thinking_open: bool = False
 
     def __post_init__(self) -> None:
         _integer("max_tokens", self.max_tokens, 1, MAX_TOKENS)
@@ -98,25 +123,32 @@ class SamplingParams:
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         _integer("n", self.n, 1, MAX_N)
-        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative", "thinking_open"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean")
         object.__setattr__(self, "logit_bias", self._bias(self.logit_bias))
         object.__setattr__(self, "stop", self._stops(self.stop))
-        ids = self.stop_token_ids
-        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-            raise ValueError("stop_token_ids must be a list of integers")
-        if len(ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, "
-                             f"got {len(ids)}")
-        for t in ids:
-            _integer("stop_token_ids", t, 0, MAX_TOKEN_ID)
-        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        object.__setattr__(self, "stop_token_ids",
+                           _token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS))
         work = self.n * self.max_tokens * (1 + (self.logprobs or 0))
         if work > MAX_REQUEST_WORK:
             raise ValueError(f"n x max_tokens x (1 + logprobs) = {work} is over this "
                              f"server's per-request bound of {MAX_REQUEST_WORK}")
         object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
+        self._check_thinking()
+
+    def _check_thinking(self) -> None:
+        for name in ("think_end_ids", "think_start_ids"):
+            object.__setattr__(self, name, _token_ids(name, getattr(self, name), MAX_THINK_IDS))
+        if self.thinking_budget is None:
+            return
+        _integer("thinking_budget", self.thinking_budget, 0, MAX_TOKENS)
+        if not self.think_end_ids:
+            raise ValueError("thinking_budget needs think_end_ids (the ids that close the "
+                             "thinking)")
+        if self.response_format is not None:
+            raise ValueError("thinking_budget cannot be combined with response_format (the "
+                             "forced close would break the constraint)")
 
     @staticmethod
     def _bias(bias: Any) -> dict[int, float]:

@@ -278,6 +278,8 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is None:
                 continue
+            if req.thinking is not None:  # its budget may force the token
+                token = req.thinking.take(req.output_token_ids, token)
             req.append_output(token)
             req.num_new_tokens_last = 1
             touched.append(req)
@@ -290,19 +292,25 @@ class Scheduler:
     def _advance_verified(self, s: ScheduledRequest, tokens: list[int]) -> None:
         """A step that verified proposals: the fed token and the accepted proposals are
         computed; the rejected ones' KV slots are rolled back (the blocks that held only
-        them go back to the pool, and no block is published past the computed tokens)."""
+        them go back to the pool, and no block is published past the computed tokens).
+        A token the thinking budget forces ends the kept ones, as a rejection would."""
         req = s.request
         req.spec_steps += 1
         req.spec_proposed += s.num_spec
         req.spec_accepted += len(tokens) - 1
         computed = req.num_computed_tokens + len(tokens)
+        think = req.thinking
         n = 0
         for t in tokens:
+            if think is not None:
+                t = think.take(req.output_token_ids, t)
             req.append_output(t)
             n += 1
             status = req.check_stop()
             if status is not None:  # the rest is dropped
                 req.status = status
+                break
+            if think is not None and think.forced:  # the model reads it next step
                 break
         req.num_new_tokens_last = n
         req.num_computed_tokens = min(computed, req.num_tokens - (not req.status.finished))

@@ -44,7 +44,11 @@ class Admitter:
     def admit(self, g: Generate, cont: Resume | None = None) -> None:
         """Start a generate now, or once it is prepared: the socket goes on reading
         meanwhile (see the module docstring). `cont`: see `_start`."""
+        # the model's own tool-call format (its chat template's), for new and resumed ones
+        g.tools = tool_calls.for_model(g.tools, getattr(self.engine, "tokenizer", None))
         gw = self.gw
+        if g.messages is not None:  # a chat's reasoning budget, for the engine to enforce
+            g.params = gw.think.engine_params(g.params, g.think)
         constrained = g.params.response_format is not None
         off_loop = gw.off_loop(g.prompt, g.messages)
         if not constrained and not off_loop:

@@ -125,14 +125,11 @@ def _delta(live: Live, out: RequestOutput, index: int, new: list[int], text: str
 
 
 def _split_delta(live: Live, out: RequestOutput, step: StepOutput) -> dict[str, Any] | None:
-    """A step of a thinking model's sample: its text split into reasoning and content;
-    nothing once the budget has cut the sample."""
+    """A step of a thinking model's sample: its text split into reasoning and content."""
     assert live.think is not None
-    parts = live.think.push(step.index, step.text_delta, len(step.new_token_ids),
-                            step.finished)
-    if parts is None:
-        return None
-    frame = _delta(live, out, step.index, step.new_token_ids, parts[1], parts[0])
+    reasoning, content = live.think.push(step.index, step.text_delta, len(step.new_token_ids),
+                                         step.finished)
+    frame = _delta(live, out, step.index, step.new_token_ids, content, reasoning)
     if frame is not None:
         live.said.append(live.think.samples[step.index].said)
     return frame
@@ -143,7 +140,7 @@ def _tool_call_deltas(live: Live, index: int, text: str) -> list[dict[str, Any]]
     assert live.tools is not None
     stream = live.calls.get(index)
     if stream is None:
-        stream = live.calls[index] = CallStream(live.tools.constrained)
+        stream = live.calls[index] = live.tools.stream()
     return [c for d in stream.push(text) for c in d.get("tool_calls", ())]
 
 
@@ -172,8 +169,7 @@ def replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
 
 def _split_replay(live: Live, after_seq: int) -> list[dict[str, Any]]:
     """replay() for a thinking model's request: each sample's reasoning and content
-    past what the client had (`said`), and its tokens up to what was sent (the budget
-    may have cut a sample short of its output's end)."""
+    past what the client had (`said`), and its tokens up to what was split."""
     assert live.think is not None
     have: dict[int, tuple[int, int, int]] = {}
     for (index, ntok, _), (nr, nc) in zip(live.marks[:after_seq], live.said[:after_seq]):
@@ -261,9 +257,7 @@ def done_frame(live: Live, reason: str) -> dict[str, Any]:
     if spec is not None:
         done["timings"].update(spec_timings(spec))
     think = live.think
-    reasons = [FINISH.get(o.finish_reason or "error" if think is None
-                          else think.finish_reason(i, o.finish_reason or "error"), "error")
-               for i, o in enumerate(last.outputs)] if last else []
+    reasons = [FINISH.get(o.finish_reason or "error", "error") for o in last.outputs] if last else []
     if tools is not None and last is not None:
         # the complete calls (ids as their deltas had them) and the text around them
         # (a replay after a resume resends text, not tool-call deltas: this is the record)
@@ -272,7 +266,7 @@ def done_frame(live: Live, reason: str) -> dict[str, Any]:
         for i, o in enumerate(last.outputs):
             stream = calls.get(i)
             if stream is None:
-                stream = CallStream(tools.constrained)
+                stream = tools.stream()
                 stream.push(o.text if think is None else think.samples[i].content)
             stream.finish()
             msg = stream.message()

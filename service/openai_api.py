@@ -88,7 +88,7 @@ async def _complete(request: Request, chat: bool) -> Response:
         body = await openai_request.read_body(request)
         openai_request.check_types(body, chat)
         openai_request.check_served(gw, body)
-        tools = openai_request.tools_of(body, chat)
+        tools = tool_calls.for_model(openai_request.tools_of(body, chat), gw.engine.tokenizer)
         think = openai_request.think_of(body, chat)
         params = openai_request.sampling_params(body, chat, gw.sampling_defaults)
         if tools is not None and tools.constrained:
@@ -100,6 +100,7 @@ async def _complete(request: Request, chat: bool) -> Response:
                                              response_format=tool_calls.constraint(tools))
             except ValueError as e:
                 raise ProtocolError("invalid_request", str(e)) from None
+        params = gw.think.engine_params(params, think)  # max_reasoning_tokens, for the engine
         await compile_constraint(gw, principal, params)
         # chat logprobs carry each token's bytes (the table was built when the model loaded)
         table = (gw.engine.byte_table(False)
@@ -174,7 +175,7 @@ async def _whole(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
         async for job, last in outputs(jobs):
             job.timings.token(len(last.new_token_ids), gw.log_tokens)
             if job.think is not None:
-                _split(gw, job, last)
+                _split(job, last)
     finally:
         end_all(gw, jobs)
     failed = failure(jobs)
@@ -212,12 +213,7 @@ async def _sse(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
                 continue  # the error event below ends the stream instead
             text, reasoning = last.delta_text, ""
             if job.think is not None:
-                parts = _split(gw, job, last)
-                if parts is None:
-                    continue  # the budget cut this sample earlier
-                reasoning, text = parts
-                if job.think.samples[last.index].cut:
-                    done = "length"
+                reasoning, text = _split(job, last)
             if not (text or reasoning or last.new_token_ids or done):
                 continue
             c: dict[str, Any] = {"index": job.base + last.index,
@@ -260,12 +256,8 @@ async def _sse(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
         end_all(gw, jobs)
 
 
-def _split(gw: Gateway, job: Job, last: RequestOutput) -> tuple[str, str] | None:
-    """A thinking model's delta as (reasoning, content); None once the budget has cut
-    its sample. Aborts the request when the budget has cut every sample still running."""
+def _split(job: Job, last: RequestOutput) -> tuple[str, str]:
+    """A thinking model's delta as (reasoning, content)."""
     assert job.think is not None
     done = last.outputs[last.index].finish_reason is not None
-    parts = job.think.push(last.index, last.delta_text, len(last.new_token_ids), done)
-    if job.think.should_stop():
-        gw.engine.abort(job.adm.stream.request_id)
-    return parts
+    return job.think.push(last.index, last.delta_text, len(last.new_token_ids), done)

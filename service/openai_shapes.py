@@ -62,9 +62,8 @@ def choice(job: Job, o: CompletionOutput, chat: bool, tok: Any,
         said = job.think.samples[o.index]
         said.close()
         text, reasoning = said.content, said.reasoning or None
-        c["finish_reason"] = finish_of(job.think.finish_reason(o.index, o.finish_reason or ""))
     if chat and tools is not None:
-        calls = tool_calls.CallStream(tools.constrained)
+        calls = tools.stream()
         calls.push(text)
         calls.finish()
         c["message"] = calls.message()
@@ -109,7 +108,7 @@ def tool_chunks(meta: dict[str, Any], streams: dict[tuple[int, int], tool_calls.
     key = (job.base, index)
     calls = streams.get(key)
     if calls is None:
-        calls = streams[key] = tool_calls.CallStream(tools.constrained)
+        calls = streams[key] = tools.stream()
     deltas = calls.push(text)
     if finished:
         deltas += calls.finish()

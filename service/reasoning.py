@@ -7,11 +7,11 @@ the delta frames' `reasoning` on the socket (docs/http.md, docs/protocol.md).
 - `ThinkSplitter`: one sample's text in, (reasoning, content) pieces out, as deltas
   arrive. A tag split across deltas (or across tokens) is held back until it is
   resolved, so what comes out is a function of the text so far, however it was chunked.
-- `SampleSplit` and `Reasoning`: a request's samples as they stream, with the reasoning
-  token budget (`max_reasoning_tokens`).
+- `SampleSplit` and `Reasoning`: a request's samples as they stream.
 - `ThinkOptions`: a request's chat-template arguments (`chat_template_kwargs`,
-  `enable_thinking`) and budget, validated where they arrive; `ThinkPolicy`: whether
-  this server splits at all (`--reasoning-parser`), and each request's starting state.
+  `enable_thinking`) and reasoning token budget (`max_reasoning_tokens`), validated where
+  they arrive; `ThinkPolicy`: whether this server splits at all (`--reasoning-parser`),
+  each request's starting state, and its budget as the engine enforces it.
 
 Where the output starts: a template that opens the thinking itself (Qwen3 with thinking
 on, DeepSeek-R1) ends the prompt with `<think>`, so the output starts inside the
@@ -22,21 +22,24 @@ tool call) is split as if the prompt opened nothing: the constraint shapes its o
 from the first token, so that output is the answer unless it writes the tags itself.
 Whitespace around the reasoning, and between `</think>` and the answer, is dropped.
 
-The budget: without an engine hook that could end the thinking (put `</think>` into the
-output once the budget is spent), a sample that spends it while still thinking ends
-there, finish_reason "length", its reasoning cut and no answer; once no sample of the
-request is left running, the request is aborted. The count is per delta: a delta of
-several tokens (speculative decoding, a slow reader's merged deltas) may carry it past
-the budget."""
+The budget is the engine's (SamplingParams.thinking_budget): a sample that has thought
+that many tokens gets the close of its thinking, as the chat template writes it (the
+text between a reasoning and its answer in a rendered assistant turn, `\n</think>\n\n`
+where the template shows none), in place of its next tokens, and then answers; the
+split sees that `</think>` as any other. The thinking the engine counts starts where the
+template's opening text ends the prompt, or where the output begins with `<think>`. A
+constrained request has no budget: its constraint writes every token."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.outputs import join_chunks
+from engine.sampling_params import MAX_THINK_IDS, SamplingParams
 from service.protocol import ProtocolError
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -134,20 +137,19 @@ def split(text: str, inside: bool) -> tuple[str, str]:
 
 class SampleSplit:
     """One sample of a request as it streams: its splitter, what it has said in each
-    part, the tokens and characters of raw text taken, and its thinking tokens against
-    the budget. `ended`: its last piece is out (it finished, or the budget cut it)."""
+    part, and the tokens and characters of raw text taken. `ended`: its last piece is
+    out (it finished)."""
 
-    __slots__ = ("splitter", "budget", "reasoning_chunks", "content_chunks", "said", "tokens",
-                 "chars", "thinking_tokens", "cut", "ended")
+    __slots__ = ("splitter", "reasoning_chunks", "content_chunks", "said", "tokens", "chars",
+                 "ended")
 
-    def __init__(self, inside: bool, budget: int | None) -> None:
+    def __init__(self, inside: bool) -> None:
         self.splitter = ThinkSplitter(inside)
-        self.budget = budget
         self.reasoning_chunks: list[str] = []
         self.content_chunks: list[str] = []
         self.said = (0, 0)  # the characters of reasoning and of content given out
-        self.tokens = self.chars = self.thinking_tokens = 0
-        self.cut = self.ended = False
+        self.tokens = self.chars = 0
+        self.ended = False
 
     @property
     def reasoning(self) -> str:
@@ -163,10 +165,6 @@ class SampleSplit:
         r, c = self.splitter.push(text)
         self.tokens += tokens
         self.chars += len(text)
-        if self.splitter.thinking:
-            self.thinking_tokens += tokens
-            if not last and self.budget is not None and self.thinking_tokens >= self.budget:
-                self.cut = last = True
         if last:
             r2, c2 = self.splitter.finish()
             r, c, self.ended = r + r2, c + c2, True
@@ -190,28 +188,14 @@ class SampleSplit:
 class Reasoning:
     """A request's reasoning split: a SampleSplit per sample."""
 
-    def __init__(self, inside: bool, budget: int | None, n: int) -> None:
-        self.inside, self.budget = inside, budget
-        self.samples = [SampleSplit(inside, budget) for _ in range(n)]
-        self.stopped = False  # the request was aborted for its budget
+    def __init__(self, inside: bool, n: int) -> None:
+        self.inside = inside
+        self.samples = [SampleSplit(inside) for _ in range(n)]
 
-    def push(self, index: int, text: str, tokens: int, last: bool) -> tuple[str, str] | None:
-        """A delta of sample `index` split, or None when that sample has ended already
-        (the budget cut it: what the engine made after that is not sent)."""
+    def push(self, index: int, text: str, tokens: int, last: bool) -> tuple[str, str]:
+        """A delta of sample `index` split (nothing once that sample has ended)."""
         s = self.samples[index]
-        return None if s.ended else s.push(text, tokens, last)
-
-    def finish_reason(self, index: int, reason: str) -> str:
-        """A sample's finish reason: "length" where the budget cut it."""
-        return "length" if self.samples[index].cut else reason
-
-    def should_stop(self) -> bool:
-        """True once, when the budget cut a sample and no sample is left running: the
-        caller aborts the request (the engine would only make text nobody gets)."""
-        if self.stopped or not any(s.cut for s in self.samples):
-            return False
-        self.stopped = all(s.ended for s in self.samples)
-        return self.stopped
+        return ("", "") if s.ended else s.push(text, tokens, last)
 
 
 # -- what a request asks for --------------------------------------------------------------
@@ -296,6 +280,13 @@ class ThinkPolicy:
         template = getattr(tokenizer, "chat_template", None) or ""
         self.on = mode == "think" or (mode == "auto" and isinstance(template, str)
                                       and OPEN in template)
+        # the token ids that open and close the thinking, for the engine's budget (none
+        # without a tokenizer: then no budget is enforced)
+        self.start_ids: tuple[int, ...] = ()
+        self.end_ids: tuple[int, ...] = ()
+        if self.on and tokenizer is not None:
+            start, end = template_tags(tokenizer)
+            self.start_ids, self.end_ids = _ids(tokenizer, start), _ids(tokenizer, end)
 
     def template_kwargs(self, opts: ThinkOptions, constrained: bool) -> dict[str, Any] | None:
         """The template's extra variables (None: none). A constrained request renders
@@ -310,7 +301,18 @@ class ThinkPolicy:
         """A chat request's split (None when this server does not split)."""
         if not self.on:
             return None
-        return Reasoning(not constrained and self.prompt_opens(prompt_ids), opts.budget, n)
+        return Reasoning(not constrained and self.prompt_opens(prompt_ids), n)
+
+    def engine_params(self, params: SamplingParams, opts: ThinkOptions | None) -> SamplingParams:
+        """A chat request's sampling with its reasoning budget for the engine to enforce:
+        the ids that open and close the thinking as this model's template writes them.
+        As given without a budget, on a server that does not split, or for a
+        constrained request (its constraint writes every token)."""
+        if (opts is None or opts.budget is None or not self.on or not self.end_ids
+                or params.response_format is not None):
+            return params
+        return dataclasses.replace(params, thinking_budget=opts.budget,
+                                   think_end_ids=self.end_ids, think_start_ids=self.start_ids)
 
     def prompt_opens(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt ends inside a <think> its template opened."""
@@ -318,3 +320,47 @@ class ThinkPolicy:
             return False
         tail = self.tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL:]), skip_special_tokens=False)
         return isinstance(tail, str) and tail.rstrip().endswith(OPEN)
+
+
+_PROBE_REASONING, _PROBE_ANSWER = "tidewire-probe-thought", "tidewire-probe-answer"
+_CLOSE_TEXT = "\n</think>\n\n"  # where a template shows no thinking in its turns
+
+
+def template_tags(tokenizer: Any) -> tuple[str, str]:
+    """The texts that open and close the thinking as the chat template writes them. The
+    open: from `<think>` to the end of a generation prompt that ends inside it (the
+    template opens it), else `<think>` (the model writes it). The close: what comes
+    between the reasoning and the answer of a rendered assistant turn that carries
+    `reasoning_content`."""
+    user = {"role": "user", "content": "?"}
+    start, end = OPEN, _CLOSE_TEXT
+    prompt = _render(tokenizer, [user], True)
+    at = prompt.rfind(OPEN)
+    if at >= 0 and not prompt[at + len(OPEN):].strip():
+        start = prompt[at:]
+    turn = _render(tokenizer, [user, {"role": "assistant", "content": _PROBE_ANSWER,
+                                      "reasoning_content": _PROBE_REASONING}], False)
+    a, b = turn.find(_PROBE_REASONING), turn.find(_PROBE_ANSWER)
+    between = turn[a + len(_PROBE_REASONING):b] if 0 <= a < b else ""
+    if CLOSE in between:
+        end = between
+    return start, end
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], generation: bool) -> str:
+    """The template's text for a probe conversation ("" where it cannot render one)."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation,
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: the defaults
+        return ""
+    return text if isinstance(text, str) else ""
+
+
+def _ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    """`text`'s token ids (none where there are more than the engine takes)."""
+    try:
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot: no budget is enforced
+        return ()
+    return ids if len(ids) <= MAX_THINK_IDS else ()

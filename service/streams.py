@@ -47,8 +47,6 @@ class Streams:
     def pull(self, live: Live) -> list[dict[str, Any]]:
         """Frames for everything the stream has produced since the last pull."""
         frames = step_frames(live, self._log_tokens)
-        if live.think is not None and live.think.should_stop():
-            self.engine.abort(live.stream.request_id)  # the budget cut every sample
         if live.stream.finished:
             frames += self._end(live)
         return frames
@@ -58,8 +56,6 @@ class Streams:
         `unsent` until written."""
         last = live.last
         reason = (last.finish_reason if last else None) or "error"
-        if live.think is not None:  # (the budget's cut ends it as "length")
-            reason = live.think.finish_reason(0, reason)
         frames = []
         if live.failure is not None:
             reason = "error"

@@ -1,17 +1,19 @@
 """Tool calling for chat requests: OpenAI's `tools`, `tool_choice` and
-`parallel_tool_calls`, the conversation's tool turns, and the model's calls parsed back
-out of its text (streamed as OpenAI streams them).
+`parallel_tool_calls`, and the conversation's tool turns. The model's calls are read back
+out of its text by service/tool_formats.py (`Tools.stream()`).
 
 How the model learns of the tools: a chat template that renders `tools` itself gets
-them (and the history's structured calls); for one that does not, such as the default
-model's, Tidewire prepends a system message (`system_prompt`) that lists the functions
-as JSON and asks for calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-blocks, and writes earlier calls and tool results into the history in that form.
+them (and the history's structured calls), and teaches the model its family's call
+format, which `for_model` picks from the template (hermes, llama3 or mistral: see
+tool_formats); for one that does not, such as the default model's, Tidewire prepends a
+system message (`system_prompt`) that lists the functions as JSON and asks for calls as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, and writes earlier
+calls and tool results into the history in that form.
 
 `tool_choice`:
 - "none": the tools are left out of the prompt; the answer is plain text.
-- "auto" (the default with tools): the answer is free; `<tool_call>` blocks in it become
-  `tool_calls` (finish_reason "tool_calls"), the rest stays `content`.
+- "auto" (the default with tools): the answer is free; the calls in it, in the model's
+  format, become `tool_calls` (finish_reason "tool_calls"), the rest stays `content`.
 - "required", or {"type": "function", "function": {"name": ...}}: the answer is
   constrained (engine/structured.py) to a JSON array of calls `[{"name": ..., "arguments":
   {...}}]` whose arguments match the function's parameters schema: at least one call,
@@ -20,14 +22,15 @@ blocks, and writes earlier calls and tool results into the history in that form.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from engine.json_bounds import MAX_SCHEMA_DEPTH, json_depth
 from service.protocol import ProtocolError
+from service.tool_formats import CLOSE, HERMES, MISTRAL, OPEN, CallStream, call_format, mistral_id
 
 MAX_TOOLS = 128
 # A function's parameters schema, as canonical JSON: a large API's stays well under it,
@@ -37,7 +40,6 @@ MAX_PARAMETERS_BYTES = 64 * 1024
 # (array, items, anyOf, call object, properties: constraint()): the schema bound, less those
 MAX_PARAMETERS_DEPTH = MAX_SCHEMA_DEPTH - 5
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -46,10 +48,24 @@ class Tools:
     choice: str  # "none" | "auto" | "required" | "function"
     name: str | None = None  # the function tool_choice names
     parallel: bool = True
+    format: str = HERMES  # how the model writes its calls (tool_formats; set by for_model)
 
     @property
     def constrained(self) -> bool:
         return self.choice in ("required", "function")
+
+    def stream(self) -> CallStream:
+        """A reader of one choice's calls, in this request's form and the model's format."""
+        return CallStream(self.constrained, self.format, (f["name"] for f in self.functions))
+
+
+def for_model(t: Tools | None, tokenizer: Any) -> Tools | None:
+    """The request's tools with the call format the model's chat template teaches it
+    (hermes where the template does not render tools: Tidewire's prompt asks for it)."""
+    if t is None:
+        return None
+    fmt = call_format(getattr(tokenizer, "chat_template", None))
+    return t if fmt == t.format else dataclasses.replace(t, format=fmt)
 
 
 def parse(body: dict[str, Any]) -> Tools | None:
@@ -201,7 +217,7 @@ def render(messages: list[dict[str, Any]], t: Tools | None,
     if template_tools:
         tools = ([{"type": "function", "function": f} for f in t.functions]
                  if t is not None else None)
-        return messages, tools
+        return (messages if plain else _structured(messages, t)), tools
     out = []
     for m in messages:
         if "tool_calls" in m:
@@ -225,158 +241,30 @@ def render(messages: list[dict[str, Any]], t: Tools | None,
     return out, None
 
 
-def _call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+def _structured(messages: list[dict[str, Any]], t: Tools | None) -> list[dict[str, Any]]:
+    """The history for a template that renders tools: each call's arguments as an object
+    (transformers' convention: Llama's templates write them out with `tojson`), and for
+    a mistral model each call id as its templates demand (9 letters and digits)."""
+    ids = mistral_id if t is not None and t.format == MISTRAL else str
+    out = []
+    for m in messages:
+        msg = dict(m)
+        if "tool_calls" in m:
+            msg["tool_calls"] = [{**c, "id": ids(c["id"]),
+                                  "function": {**c["function"],
+                                               "arguments": _object(c["function"]["arguments"])}}
+                                 for c in m["tool_calls"]]
+        if "tool_call_id" in m:
+            msg["tool_call_id"] = ids(m["tool_call_id"])
+        out.append(msg)
+    return out
 
 
-class CallStream:
-    """One choice's text, turned into OpenAI chat deltas as it grows: `push` takes the
-    next piece of text and returns deltas ({"content": ...} or {"tool_calls": [...]});
-    `finish` returns the rest. A call goes out as OpenAI streams it: a delta with its
-    index, id, type and name (arguments ""), then fragments of its arguments.
-
-    `constrained` (tool_choice "required" or a named function): the whole text is a
-    JSON array of {"name", "arguments"} objects, the name first (the constraint's order).
-    Otherwise ("auto") text outside <tool_call> blocks is content; each block's JSON is
-    a call (a block that is not valid JSON goes out as content)."""
-
-    def __init__(self, constrained: bool) -> None:
-        self.constrained = constrained
-        self.calls: list[dict[str, Any]] = []  # {id, name, arguments} as they complete
-        self.content: list[str] = []
-        self._buf = ""  # auto: text held back (a tag may be starting, or a block is open)
-        self._in_block = False
-        # constrained: a scan of the JSON array
-        self._depth = 0
-        self._in_str = self._escape = False
-        self._obj = ""  # the current call object's text so far
-        self._args_from = -1  # where its arguments start in _obj, once its name is known
-        self._args_sent = 0
-
-    @property
-    def found_calls(self) -> bool:
-        return bool(self.calls)
-
-    def push(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        return self._push_json(text) if self.constrained else self._push_tagged(text)
-
-    def finish(self) -> list[dict[str, Any]]:
-        if self.constrained:
-            return []
-        rest, self._buf = self._buf, ""
-        return self._content(rest)  # an unterminated block, or a partial tag: plain text
-
-    # -- constrained: a JSON array of calls --------------------------------------------
-
-    def _push_json(self, text: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for ch in text:
-            depth0 = self._depth
-            if self._in_str:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_str = False
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-            if depth0 >= 2 or (depth0 == 1 and ch == "{"):
-                self._obj += ch
-            if depth0 == 2 and self._depth == 1:  # a call object closed
-                out += self._flush_args(final=True)
-                self._obj, self._args_from, self._args_sent = "", -1, 0
-            elif self._depth >= 2 and self._args_from < 0:
-                m = re.match(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*',
-                             self._obj)
-                if m and m.end() == len(self._obj):
-                    self._args_from = m.end()
-                    self.calls.append({"id": _call_id(), "name": json.loads(m.group(1)),
-                                       "arguments": ""})
-                    out.append(self._start_delta(len(self.calls) - 1))
-        return out + self._flush_args(final=False)
-
-    def _flush_args(self, final: bool) -> list[dict[str, Any]]:
-        if self._args_from < 0:
-            return []
-        # the arguments run to the call object's closing brace (not included)
-        end = len(self._obj) - 1 if final else len(self._obj)
-        piece = self._obj[self._args_from + self._args_sent:end]
-        if not self.calls[-1]["arguments"]:  # whitespace before the value is not sent
-            self._args_sent += len(piece) - len(piece.lstrip())
-            piece = piece.lstrip()
-        if not piece:
-            return []
-        self._args_sent += len(piece)
-        self.calls[-1]["arguments"] += piece
-        return [{"tool_calls": [{"index": len(self.calls) - 1,
-                                 "function": {"arguments": piece}}]}]
-
-    # -- auto: <tool_call> blocks in text ----------------------------------------------
-
-    def _push_tagged(self, text: str) -> list[dict[str, Any]]:
-        self._buf += text
-        out: list[dict[str, Any]] = []
-        while True:
-            if self._in_block:
-                end = self._buf.find(CLOSE)
-                if end < 0:
-                    return out
-                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
-                self._in_block = False
-                out += self._block(body)
-                continue
-            start = self._buf.find(OPEN)
-            if start >= 0:
-                out += self._content(self._buf[:start])
-                self._buf = self._buf[start + len(OPEN):]
-                self._in_block = True
-                continue
-            keep = next((k for k in range(min(len(OPEN) - 1, len(self._buf)), 0, -1)
-                         if OPEN.startswith(self._buf[-k:])), 0)  # a tag may be starting
-            out += self._content(self._buf[:len(self._buf) - keep])
-            self._buf = self._buf[len(self._buf) - keep:]
-            return out
-
-    def _block(self, body: str) -> list[dict[str, Any]]:
-        try:
-            call = json.loads(body)
-            name, args = call["name"], call.get("arguments", {})
-            if not isinstance(name, str):
-                raise TypeError(name)
-        except (ValueError, TypeError, KeyError):
-            return self._content(OPEN + body + CLOSE)
-        args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        self.calls.append({"id": _call_id(), "name": name, "arguments": args_text})
-        i = len(self.calls) - 1
-        return [self._start_delta(i),
-                {"tool_calls": [{"index": i, "function": {"arguments": args_text}}]}]
-
-    def _content(self, text: str) -> list[dict[str, Any]]:
-        if not text:
-            return []
-        self.content.append(text)
-        return [{"content": text}]
-
-    def _start_delta(self, i: int) -> dict[str, Any]:
-        c = self.calls[i]
-        return {"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                "function": {"name": c["name"], "arguments": ""}}]}
-
-    def message(self) -> dict[str, Any]:
-        """The whole message (non-streaming), after every push and the finish."""
-        content = "".join(self.content)
-        msg: dict[str, Any] = {"role": "assistant", "content": content or None}
-        if self.calls:
-            msg["tool_calls"] = [{"id": c["id"], "type": "function",
-                                  "function": {"name": c["name"], "arguments": c["arguments"]}}
-                                 for c in self.calls]
-        elif msg["content"] is None:
-            msg["content"] = ""
-        return msg
+def _object(arguments: str) -> Any:
+    """A call's arguments (JSON text) as the object they hold; text that is not a JSON
+    object stays as it is."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):
+        return arguments
+    return value if isinstance(value, dict) else arguments

@@ -1,6 +1,7 @@
 """service/reasoning.py without a server: the split of a thinking model's text into
-reasoning and content at every chunking, the budget, the request fields, the policy
-(--reasoning-parser), and the socket's frames and resume replay of a split stream."""
+reasoning and content at every chunking, the request fields, the policy
+(--reasoning-parser) and the budget's ids read from the chat template, and the socket's
+frames and resume replay of a split stream."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from service.config import ServiceConfig
 from service.delivery import Live, Timings, done_frame, replay, step_frames
 from service.gateway import Admission, Principal
 from service.protocol import ProtocolError, parse_generate
-from service.reasoning import (Reasoning, SampleSplit, ThinkOptions, ThinkPolicy, ThinkSplitter,
-                               split, think_options)
+from service.reasoning import (Reasoning, ThinkOptions, ThinkPolicy, ThinkSplitter, split,
+                               template_tags, think_options)
 
 # (text, the prompt opened <think>) -> (reasoning, content)
 CASES = [
@@ -109,39 +110,12 @@ def test_a_tag_held_back_until_it_resolves() -> None:
     assert s.push("e answer") == ("", "<the answer")  # not the tag: all of it is content
 
 
-def test_the_budget_cuts_a_sample_that_is_still_thinking() -> None:
-    s = SampleSplit(True, budget=3)
-    assert s.push("a", 1, False) == ("a", "") and not s.cut
-    assert s.push(" b", 1, False) == (" b", "") and not s.cut
-    assert s.push(" c </th", 1, False) == (" c </th", "")  # the cut flushes the held tail
-    assert s.cut and s.ended and s.thinking_tokens == 3
-    assert (s.reasoning, s.content, s.tokens) == ("a b c </th", "", 3)
-    closed = SampleSplit(True, budget=2)
-    closed.push("a", 1, False)
-    closed.push("</think>b", 2, False)  # closed within the delta that reached the budget
-    closed.push("c", 5, False)  # the answer's tokens are not counted
-    assert not closed.cut and closed.thinking_tokens == 1 and closed.content == "bc"
-    plain = SampleSplit(False, budget=1)
-    plain.push("no thinking here", 4, False)
-    assert not plain.cut and plain.thinking_tokens == 0
-    last = SampleSplit(True, budget=1)
-    last.push("x", 1, True)  # the sample's own end comes first: not a cut
-    assert last.ended and not last.cut
-
-
-def test_a_request_stops_once_the_budget_cut_every_running_sample() -> None:
-    r = Reasoning(True, 2, n=2)
-    assert r.push(0, "a", 2, False) == ("a", "") and r.samples[0].cut
-    assert not r.should_stop()  # sample 1 still runs
-    assert r.push(0, "more", 1, False) is None  # a cut sample's later output is dropped
-    r.push(1, "b</think>c", 1, False)
-    assert not r.should_stop()
-    r.push(1, "d", 1, True)
-    assert r.should_stop() and not r.should_stop()  # once
-    assert (r.finish_reason(0, "abort"), r.finish_reason(1, "stop")) == ("length", "stop")
-    uncut = Reasoning(True, None, n=1)
-    uncut.push(0, "a", 1, True)
-    assert not uncut.should_stop()
+def test_a_sample_splits_to_its_end_and_nothing_after() -> None:
+    r = Reasoning(True, n=2)
+    assert r.push(0, "a", 2, False) == ("a", "")
+    assert r.push(1, "b</think>c", 3, True) == ("b", "c")
+    assert r.push(1, "late", 1, True) == ("", "")  # (an ended sample takes nothing more)
+    assert [(s.tokens, s.ended) for s in r.samples] == [(2, False), (3, True)]
 
 
 @pytest.mark.parametrize("fields, kwargs, budget", [
@@ -221,7 +195,7 @@ def test_the_policy_follows_the_flag_and_the_template() -> None:
     assert not ThinkPolicy("think", None).prompt_opens([3])
     opts = ThinkOptions({}, 7)
     r = p.request([1, 2, 3, 4], opts, 2, constrained=False)
-    assert r is not None and r.inside and r.budget == 7 and len(r.samples) == 2
+    assert r is not None and r.inside and len(r.samples) == 2
     constrained = p.request([1, 2, 3, 4], opts, 1, constrained=True)
     assert constrained is not None and not constrained.inside  # the constraint's output
     assert ThinkPolicy("none", thinking).request([1, 2, 3], opts, 1, False) is None
@@ -231,6 +205,53 @@ def test_the_policy_follows_the_flag_and_the_template() -> None:
         "enable_thinking": True}
     assert p.template_kwargs(ThinkOptions(), False) is None
     assert ThinkPolicy("none", thinking).template_kwargs(ThinkOptions({"x": 1}), True) == {"x": 1}
+
+
+# a template that opens the thinking in the prompt and shows none in its turns (the
+# tests' thinking model), and one that lets the model open it and shows it its own way
+OPENS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+SHOWS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+         "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>\n{% endif %}"
+         "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.parametrize("template, tags", [
+    (OPENS, ("<think>\n", "\n</think>\n\n")),
+    (SHOWS, ("<think>", "</think>\n")),
+    ("{{ raise_exception('no probes') }}<think>", ("<think>", "\n</think>\n\n")),
+])
+def test_the_budget_reads_the_tags_from_the_template(tokenizer, template: str,
+                                                     tags: tuple[str, str]) -> None:
+    tokenizer.chat_template = template
+    assert template_tags(tokenizer) == tags
+    p = ThinkPolicy("auto", tokenizer)
+    ids = [tuple(tokenizer.encode(t, add_special_tokens=False)) for t in tags]
+    assert (p.start_ids, p.end_ids) == tuple(ids)
+    plain = SamplingParams(max_tokens=9)
+    sp = p.engine_params(plain, ThinkOptions({}, 7))
+    assert (sp.thinking_budget, sp.think_start_ids, sp.think_end_ids, sp.thinking_open) == (
+        7, ids[0], ids[1], False)
+    assert sp.max_tokens == 9
+    # the prompt the template opens ends with the start ids (the engine opens it there)
+    if template == OPENS:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                               add_generation_prompt=True, tokenize=False)
+        assert tuple(tokenizer.encode(prompt)[-len(ids[0]):]) == ids[0]
+    # no budget, a constrained request, a server that does not split: as given
+    assert p.engine_params(plain, ThinkOptions({}, None)) is plain
+    assert p.engine_params(plain, None) is plain
+    constrained = SamplingParams(response_format={"type": "json_object"})
+    assert p.engine_params(constrained, ThinkOptions({}, 7)) is constrained
+    assert ThinkPolicy("none", tokenizer).engine_params(plain, ThinkOptions({}, 7)) is plain
 
 
 def test_the_flag_and_its_environment_variable(monkeypatch) -> None:
@@ -255,12 +276,11 @@ def test_the_flag_and_its_environment_variable(monkeypatch) -> None:
 
 # -- the socket's frames ---------------------------------------------------------------
 
-def _live(n: int = 1, inside: bool = True, budget: int | None = None
-          ) -> tuple[Live, RequestStream]:
+def _live(n: int = 1, inside: bool = True) -> tuple[Live, RequestStream]:
     req = Request("r", [1, 2, 3], SamplingParams(max_tokens=64, n=n))
     stream = RequestStream(req)
     live = Live("c1", Admission(stream, 0.0, Principal(None, "")), False, Timings(0.0))
-    live.think = Reasoning(inside, budget, n)
+    live.think = Reasoning(inside, n)
     return live, stream
 
 
@@ -288,6 +308,9 @@ def test_delta_frames_carry_reasoning_beside_the_answer() -> None:
                                (3, [9], None, "Paris"), (4, [10], None, "."), (5, [11], None, "")]
     assert "reasoning" not in frames[-1]  # a delta without thinking has no field
     assert live.said == [(6, 0), (13, 0), (13, 5), (13, 6), (13, 6)]
+    done = done_frame(live, "stop")
+    assert (done["status"], done["finish_reason"], done["usage"]["completion_tokens"]) == (
+        "completed", "stop", 5)
 
 
 def test_a_held_tail_goes_out_when_the_sample_ends_without_a_token() -> None:
@@ -315,21 +338,3 @@ def test_replay_sends_the_reasoning_and_content_the_client_missed() -> None:
     assert replay(live, 3) == []  # everything delivered
     fresh = replay(live, 0)  # from nothing: the whole split
     assert [(f.get("reasoning"), f["text"]) for f in fresh] == [("a b c", "de"), ("x", "y")]
-
-
-def test_the_budget_ends_a_socket_stream_with_length_and_sends_nothing_after() -> None:
-    live, stream = _live(budget=2)
-    frames = []
-    for tokens, text in (([7], "one"), ([8], " two"), ([9], " three"), ([10], "</think>x")):
-        stream._push(_step(tokens, text))
-        frames += step_frames(live, lambda *a: None)
-    assert _deltas(frames) == [(1, [7], "one", ""), (2, [8], " two", "")]
-    assert live.think is not None and live.think.should_stop()
-    stream._push(_step([], "", reason="abort"))  # the request, aborted for its budget
-    frames = step_frames(live, lambda *a: None)
-    assert _deltas(frames) == []
-    done = done_frame(live, live.think.finish_reason(0, "abort"))
-    assert done["finish_reason"] == "length" and done["status"] == "completed"
-    # a replay after a drop sends only what the cut let out
-    again = replay(live, 1)
-    assert _deltas(again) == [(2, [8], " two", "")]

@@ -5,7 +5,8 @@ a server that never saw the request), both SDKs and the chat page in Chromium.
 
 A random model never writes `</think>` itself, so where a test needs thinking and then
 an answer, a regex constraint writes them (a constrained request is split as if its
-prompt opened nothing: the tags it writes open and close the reasoning)."""
+prompt opened nothing: the tags it writes open and close the reasoning), or the
+reasoning budget makes the engine write the close."""
 
 from __future__ import annotations
 
@@ -195,23 +196,55 @@ def test_tool_calls_are_parsed_from_the_answer_only(server) -> None:
     assert m.reasoning_content.startswith("<tool_call>")
 
 
-def test_the_reasoning_budget_ends_a_sample_still_thinking(server) -> None:
-    full = chat(server, max_tokens=40, extra_body={"ignore_eos": True}).choices[0].message
-    cut = chat(server, max_tokens=200, extra_body={"ignore_eos": True, "max_reasoning_tokens": 4})
-    m = cut.choices[0].message
-    assert cut.choices[0].finish_reason == "length" and m.content == ""
-    assert m.reasoning_content and full.reasoning_content.startswith(m.reasoning_content)
-    assert len(m.reasoning_content) < len(full.reasoning_content)
-    assert cut.usage.completion_tokens < 200  # aborted, not run to max_tokens
-    reasoning, content, chunks = streamed(chat(
-        server, max_tokens=200, stream=True,
-        extra_body={"ignore_eos": True, "max_reasoning_tokens": 4}))
-    assert full.reasoning_content.startswith(reasoning) and reasoning and content == ""
+async def _raw(server, prompt: list[int], max_tokens: int) -> tuple[list[int], str]:
+    """A prompt's greedy token ids and text, unsplit (a socket request by token ids)."""
+    ws, c = await open_client(server)
+    async with ws:
+        await c.send({"type": "generate", "id": "raw", "prompt_token_ids": prompt,
+                      "params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
+        msgs = await c.until_done({"raw"})
+    deltas = [m for m in msgs if m["type"] == "delta"]
+    return sum((d["token_ids"] for d in deltas), []), "".join(d["text"] for d in deltas)
+
+
+# the close of this template's thinking (it shows no thinking in its turns: the default)
+CLOSE_TEXT = "\n</think>\n\n"
+BUDGET, MAX = 4, 40
+
+
+async def _forced(server) -> tuple[list[int], str, str]:
+    """What the budget must give for ASK: the first BUDGET tokens of its thinking, the
+    close, then the model's continuation of all that; as (token ids, reasoning, content)."""
+    status, tok = post(server, "/tokenize", {"messages": ASK, "add_generation_prompt": True})
+    assert status == 200
+    close = server.engine.tokenizer.encode(CLOSE_TEXT, add_special_tokens=False)
+    think, think_text = await _raw(server, tok["tokens"], BUDGET)
+    answer, answer_text = await _raw(server, tok["tokens"] + think + close, MAX - BUDGET - len(close))
+    reasoning, content = split(think_text + CLOSE_TEXT + answer_text, True)
+    assert reasoning == split(think_text, True)[0] and content  # it answered
+    return think + close + answer, reasoning, content
+
+
+async def test_the_reasoning_budget_closes_the_thinking_and_the_model_answers(server) -> None:
+    ids, reasoning, content = await _forced(server)
+    extra = {"ignore_eos": True, "max_reasoning_tokens": BUDGET}
+    r = chat(server, max_tokens=MAX, extra_body=extra)
+    m = r.choices[0].message
+    assert (m.reasoning_content, m.content) == (reasoning, content)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == MAX
+    got_r, got_c, chunks = streamed(chat(server, max_tokens=MAX, stream=True, extra_body=extra))
+    assert (got_r, got_c) == (reasoning, content)
     assert chunks[-1].choices[0].finish_reason == "length"
-    # an answer that closes its thinking within the budget is not cut
+    # n = 2: each sample has its own budget (greedy: the same output twice)
+    two = chat(server, max_tokens=MAX, n=2, extra_body=extra)
+    assert [(c.message.reasoning_content, c.message.content) for c in two.choices] == [
+        (reasoning, content)] * 2
+    # a constrained request has no budget: its constraint writes its every token
     ok = chat(server, max_tokens=32, response_format=FORCED,
-              extra_body={"max_reasoning_tokens": 30})
-    assert (ok.choices[0].finish_reason, ok.choices[0].message.content) == ("stop", "Paris.")
+              extra_body={"max_reasoning_tokens": 2})
+    assert (ok.choices[0].finish_reason, ok.choices[0].message.reasoning_content,
+            ok.choices[0].message.content) == ("stop", "Let me think.", "Paris.")
+    await wait_free(server)
 
 
 def test_reasoning_parser_none_leaves_the_thinking_in_the_text(thinking_model) -> None:
@@ -304,15 +337,18 @@ async def test_a_continued_stream_goes_on_with_the_split_where_it_was(server) ->
 
 
 async def test_the_budget_over_the_socket(server) -> None:
+    ids, reasoning, content = await _forced(server)
     ws, c = await open_client(server)
     async with ws:
-        await c.send(gen("cut", Q, max_tokens=200, ignore_eos=True, max_reasoning_tokens=3))
-        msgs = await c.until_done({"cut"})
+        await c.send(gen("t", Q, max_tokens=MAX, ignore_eos=True, max_reasoning_tokens=BUDGET))
+        msgs = await c.until_done({"t"})
     deltas = [m for m in msgs if m["type"] == "delta"]
+    assert sum((d["token_ids"] for d in deltas), []) == ids
+    assert "".join(d.get("reasoning", "") for d in deltas) == reasoning
+    assert "".join(d["text"] for d in deltas) == content
     done = msgs[-1]
-    assert (done["status"], done["finish_reason"]) == ("completed", "length")
-    assert 3 <= sum(len(d["token_ids"]) for d in deltas) < 200
-    assert all(d["text"] == "" for d in deltas) and done["usage"]["completion_tokens"] < 200
+    assert (done["status"], done["finish_reason"], done["usage"]["completion_tokens"]) == (
+        "completed", "length", MAX)
     await wait_free(server)
 
 
