@@ -57,9 +57,12 @@ def fill_batch(llm: Any, batch: int, ctx: int, tag: str) -> None:
 
 def linears_alone_ms(llm: Any, batch: int, rounds: int = 5) -> float:
     """The model's matmuls at `batch` rows, one after another as in a step (same kernels,
-    weights read from memory as in a step): the floor a decode step stands on."""
+    weights read from memory as in a step): the floor a decode step stands on. (An MLP of
+    experts counts none of its matmuls: which experts a step reads depends on the routing.)"""
     model = llm.engine.runner.model
-    mats = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    mats = [m for layer in model.layers
+            for m in (layer.qkv, layer.o, getattr(layer.mlp, "gate_up", None),
+                      getattr(layer.mlp, "down", None)) if m is not None]
     mats.append(model.lm_head)
     dev = model.lm_head.weight.device
     xs = {n: torch.randn(batch, n, device=dev).to(model.dtype)
