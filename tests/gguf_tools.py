@@ -136,3 +136,10 @@ def smollm2_tokenizer(hf_dir: Path) -> None:
 
     gguf = gguf_path(REGISTRY[DEFAULT_MODEL])
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf_dir)
+
+
+if __name__ == "__main__":  # `make install`: fetch the converter once, before the tests
+    try:
+        print(converter_dir())
+    except ConverterUnavailable as e:  # the tests skip with this reason
+        print(f"llama.cpp's converter is unavailable ({e}); the GGUF family tests will skip")
