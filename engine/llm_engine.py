@@ -51,8 +51,11 @@ class LLMEngine:
         self.eos_token_ids = build.eos_ids(self.arch, self.tokenizer)
         self.sampling_defaults = build.model_sampling_defaults(config, self.model_dir)
         self._start_parts(m.evicted, progress)
-        log.info("loaded %s (%s) in %.1fs: %d KV blocks of %d tokens", config.model,
-                 self.dtype_name, time.monotonic() - t0, self.num_blocks, config.cache.block_size)
+        log.info("loaded %s (%s, %s) in %.1fs: %d KV blocks of %d tokens; decodes through %s",
+                 config.model, self.arch.model_type, self.dtype_name, time.monotonic() - t0,
+                 self.num_blocks, config.cache.block_size,
+                 {"none": "the eager forward"}.get(self.runner.plan.fast_path.value,
+                                                   self.runner.plan.fast_path.value))
 
     def _start_parts(self, evicted: EvictionLog | None, progress: LoadProgress) -> None:
         """Everything around the model: the host tier, the scheduler, the speculator,
