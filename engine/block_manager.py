@@ -278,15 +278,28 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
         need = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new = need - len(table) - len(computed_blocks)
+        # With a window, hits wholly behind the first query's window are never read: they
+        # enter the table released, with no reference taken (a long conversation's next
+        # turn would otherwise need its whole history in the pool at once).
+        behind = 0
+        if self.window and computed_blocks and not table:
+            behind = min(max(0, num_computed - self.window + 1) // self.block_size,
+                         len(computed_blocks))
+        live = computed_blocks[behind:]
         # Cached hits sitting in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_evictable_hits = sum(1 for b in live if b.ref_cnt == 0)
         if num_new + num_evictable_hits + reserve_blocks > self.pool.num_free:
             return False
-        self.pool.touch(computed_blocks)
+        self.pool.touch(live)
         table = self.tables.setdefault(req.request_id, table)
         ids = self._ids.setdefault(req.request_id, [])
-        table.extend(computed_blocks)
-        ids.extend(b.block_id for b in computed_blocks)
+        if behind:  # (already cached: nothing to publish or release there)
+            table.extend([RELEASED] * behind)
+            ids.extend([RELEASED.block_id] * behind)
+            self._released[req.request_id] = behind
+            self._published[req.request_id] = behind
+        table.extend(live)
+        ids.extend(b.block_id for b in live)
         if num_new > 0:
             new = self.pool.allocate(num_new)
             table.extend(new)

@@ -167,10 +167,10 @@ class InputProcessor:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
                 f"context window of {lim.max_model_len} tokens")
         bs = lim.block_size
-        held = num_prompt + max_tokens
-        if lim.window_tokens:
-            held = min(held, lim.window_tokens)
-        if -(-held // bs) + (lim.window_tokens > 0) > lim.num_blocks:
+        held, slack = num_prompt + max_tokens, 0
+        if lim.window_tokens and lim.window_tokens < held:  # a block may straddle its start
+            held, slack = lim.window_tokens, 1
+        if -(-held // bs) + slack > lim.num_blocks:
             raise PromptTooLongError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs more KV "
                 f"blocks than the pool has ({lim.num_blocks} x {bs} tokens)")

@@ -165,3 +165,40 @@ def test_integrity_check_catches_corruption() -> None:
     kv.pool.blocks[0].ref_cnt += 1
     with pytest.raises(AssertionError):
         kv.check_integrity()
+
+
+def _prefill(m: KVCacheManager, r: Request, chunk: int) -> int:
+    """Run r's prompt through in chunks as the scheduler does (allocate, compute, then
+    publish and release); the most blocks its table held in use at once."""
+    most = 0
+    hits, n = m.get_computed_blocks(r)
+    while r.num_computed_tokens < r.num_prompt_tokens:
+        take = min(chunk, r.num_prompt_tokens - r.num_computed_tokens - n)
+        assert m.allocate_slots(r, take, hits), "the pool was short"
+        r.num_computed_tokens += n + take
+        hits, n = (), 0
+        most = max(most, sum(b.ref_cnt > 0 for b in m.tables[r.request_id]))
+        m.cache_full_blocks(r)
+        m.check_integrity()
+    return most
+
+
+def test_a_window_releases_blocks_behind_it_and_takes_no_reference_on_hits_there() -> None:
+    """Every layer windowed (128 tokens): a 1,000-token prompt in a 64-block pool holds
+    about its window; the next turn of the same conversation (its prompt plus 500 tokens)
+    hits 62 cached blocks, but only those inside its first window are referenced: the
+    rest enter the table released, so it is admitted where taking all of them would have
+    needed 78 blocks at once."""
+    m = KVCacheManager(num_blocks=64, block_size=16, window=128)
+    first = req("a", list(range(1000, 2000)))
+    assert _prefill(m, first, 256) <= (128 + 256) // 16 + 1
+    assert m.num_released > 0
+    m.free(first)
+    m.check_integrity()
+    second = req("b", list(range(1000, 2000)) + list(range(5000, 5500)))
+    assert _prefill(m, second, 256) <= (128 + 256) // 16 + 1
+    released = m._released["b"]
+    assert released >= 60 and all(b.block_id == 0 for b in m.tables["b"][:released])
+    m.free(second)
+    m.check_integrity()
+    assert m.num_free_blocks == 64

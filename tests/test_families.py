@@ -132,8 +132,12 @@ def test_family_parity_regimes_combined(family_model, monkeypatch, family: str,
     else:
         assert llm.engine.scheduler.num_preemptions > 0 or engine_path == "triton"
     again = _check(llm, path, prompts)
-    assert sum(o.num_cached_tokens for o in again) > sum(o.num_cached_tokens for o in first)
-    if engine_path == "compiled":
+    # (a windowed model's prompt blocks leave the pool behind the window, a prompt's first
+    # ones soonest, and a hit needs the chain from the first: in this tiny pool it gets
+    # fewer hits the second time, not more)
+    if not kv.window:
+        assert sum(o.num_cached_tokens for o in again) > sum(o.num_cached_tokens for o in first)
+    if engine_path == "compiled" and not kv.window:
         assert sum(o.num_host_cached_tokens for o in again) > 0, "no host-tier hit"
         # the fused decode step runs Llama stacks (windows included), the rest eagerly
         step = llm.engine.runner.compiled_step
@@ -206,3 +210,25 @@ def test_bf16_tracks_fp32_for_every_family(family_model) -> None:
         want = hf_greedy(path, prompts, 4)
         agree = sum(g.token_ids[0] == w[0] for g, w in zip(got, want))
         assert agree >= 3, f"{name}: bf16 first tokens agree on only {agree} of 4"
+
+
+def test_attention_biases_all_four_projections(tmp_path) -> None:
+    """`attention_bias`: q, k, v and o carry biases (Llama, Qwen3, ... in transformers);
+    random non-zero ones (HF initializes them to zero) must all reach the output."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "qwen3-bias", "qwen3", 4, **HEADS, head_dim=32,
+                           attention_bias=True)
+    weights = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    biases = [k for k in weights if k.endswith("_proj.bias")]
+    assert {k.split(".")[-2] for k in biases} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for k in biases:
+        weights[k] = torch.randn(weights[k].shape, generator=g)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    prompts = _prompts(11)[:3]
+    llm = LLM(model=str(path), dtype="float32")
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == \
+        hf_greedy(path, prompts, GREEDY.max_tokens)

@@ -73,8 +73,7 @@ class DecoderModel:
             features.add("qk_norm")  # per head
         if cls.qk_norm_whole:
             features.add("qk_norm_whole")
-        act = getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None)
-        if activation_of(act or "silu") != "silu":
+        if activation_of(cls.activation_name(hf)) != "silu":
             features.add("gelu")
         return ModelArch(**fields, features=frozenset(features))
 
@@ -164,11 +163,17 @@ class DecoderModel:
         weight = torch.cat([w[n] for n in names]) if len(names) > 1 else w[names[0]]
         return Linear(weight, bias, self.plan.keeps_plain(weight.shape[1]))
 
+    @staticmethod
+    def activation_name(hf: Any) -> str:
+        """The HF name of the MLP's activation: `hidden_activation` first (Gemma's field,
+        which transformers' Gemma reads alone), else `hidden_act`."""
+        if hf is None:
+            return "silu"
+        return (getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", None)
+                or "silu")
+
     def activation(self) -> str:
-        hf = self.hf
-        act = (getattr(hf, "hidden_act", None) or getattr(hf, "hidden_activation", None)
-               if hf is not None else None)
-        return activation_of(act or "silu")
+        return activation_of(self.activation_name(self.hf))
 
     def mlp(self, w: dict[str, torch.Tensor], i: int) -> Any:
         """Layer i's MLP (a family with experts overrides this)."""
@@ -192,7 +197,7 @@ class DecoderModel:
         return LayerWeights(
             input_norm=self.norm_weight(w, p + "input_layernorm.weight"),
             qkv=self.linear(w, qkv_names, bias),
-            o=self.linear(w, [a + "o_proj.weight"]),
+            o=self.linear(w, [a + "o_proj.weight"], w.get(a + "o_proj.bias")),
             post_norm=self.norm_weight(
                 w, p + ("pre_feedforward_layernorm.weight" if sandwich
                         else "post_attention_layernorm.weight")),
