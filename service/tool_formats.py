@@ -155,35 +155,47 @@ class _Tagged:
 
 # -- llama3 and mistral: JSON values at the answer's start or after a marker ------------------
 
+class _Brackets:
+    """The nesting depth of a JSON text read one character at a time: brackets counted
+    outside strings (whether it is valid JSON is for json.loads to say)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._in_str = self._escape = False
+
+    def step(self, ch: str) -> bool:
+        """Take one character; whether it closed a bracket."""
+        if self._in_str:
+            if self._escape:
+                self._escape = False
+            elif ch == "\\":
+                self._escape = True
+            elif ch == '"':
+                self._in_str = False
+        elif ch == '"':
+            self._in_str = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+            return True
+        return False
+
+
 class _Span:
-    """One JSON object or array, read a piece at a time to where it closes: brackets
-    counted outside strings (whether it is valid JSON is for json.loads to say)."""
+    """One JSON object or array, read a piece at a time to where it closes."""
 
     def __init__(self) -> None:
         self.text = ""
         self.done = False
-        self._depth = 0
-        self._in_str = self._escape = False
+        self._scan = _Brackets()
 
     def feed(self, text: str) -> int:
         """How much of `text` belongs to the value: all of it until the value closes."""
         for i, ch in enumerate(text):
-            if self._in_str:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_str = False
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth <= 0:
-                    self.text, self.done = self.text + text[:i + 1], True
-                    return i + 1
+            if self._scan.step(ch) and self._scan.depth <= 0:
+                self.text, self.done = self.text + text[:i + 1], True
+                return i + 1
         self.text += text
         return len(text)
 
@@ -409,9 +421,7 @@ class CallStream:
         self.content: list[str] = []
         self._reader = _READERS[fmt](names)
         self._new_id = _nine if fmt == MISTRAL else _call_id
-        # constrained: a scan of the JSON array
-        self._depth = 0
-        self._in_str = self._escape = False
+        self._scan = _Brackets()  # constrained: a scan of the JSON array
         self._obj = ""  # the current call object's text so far
         self._args_from = -1  # where its arguments start in _obj, once its name is known
         self._args_sent = 0
@@ -449,26 +459,14 @@ class CallStream:
     def _push_json(self, text: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         for ch in text:
-            depth0 = self._depth
-            if self._in_str:
-                if self._escape:
-                    self._escape = False
-                elif ch == "\\":
-                    self._escape = True
-                elif ch == '"':
-                    self._in_str = False
-            elif ch == '"':
-                self._in_str = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
+            depth0 = self._scan.depth
+            self._scan.step(ch)
             if depth0 >= 2 or (depth0 == 1 and ch == "{"):
                 self._obj += ch
-            if depth0 == 2 and self._depth == 1:  # a call object closed
+            if depth0 == 2 and self._scan.depth == 1:  # a call object closed
                 out += self._flush_args(final=True)
                 self._obj, self._args_from, self._args_sent = "", -1, 0
-            elif self._depth >= 2 and self._args_from < 0:
+            elif self._scan.depth >= 2 and self._args_from < 0:
                 m = re.match(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*',
                              self._obj)
                 if m and m.end() == len(self._obj):

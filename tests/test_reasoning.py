@@ -147,6 +147,8 @@ def test_request_fields(fields: dict, kwargs: dict, budget: int | None) -> None:
     ({"enable_thinking": True, "chat_template_kwargs": {"enable_thinking": False}}, "disagree"),
     ({"reasoning_effort": "max"}, "reasoning_effort must be one of"),
     ({"max_reasoning_tokens": 0}, "max_reasoning_tokens must be an integer in [1, 1048576]"),
+    ({"max_reasoning_tokens": (1 << 20) + 1},
+     "max_reasoning_tokens must be an integer in [1, 1048576]"),
     ({"max_reasoning_tokens": True}, "max_reasoning_tokens must be an integer"),
     ({"max_reasoning_tokens": 1.5}, "max_reasoning_tokens must be an integer"),
 ])

@@ -283,3 +283,17 @@ def test_speculative_decoding_keeps_the_forced_close(path, method: str) -> None:
     steps, proposed, accepted = (sum(x) for x in zip(*[g.spec for g in got if g.spec]))
     assert steps > 0 and accepted > 0
     _clean(llm)
+
+
+def test_the_bounds_at_their_extremes() -> None:
+    """The largest budget and the longest id lists are taken; one past is refused (the
+    service's max_reasoning_tokens has the same ceiling: tests/test_reasoning.py)."""
+    from engine.sampling_params import MAX_TOKENS
+
+    p = SamplingParams(thinking_budget=MAX_TOKENS, think_end_ids=[7] * 64,
+                       think_start_ids=[4] * 64)
+    assert p.thinking_budget == MAX_TOKENS and len(p.think_end_ids) == 64
+    with pytest.raises(ValueError, match="thinking_budget must be an integer"):
+        SamplingParams(thinking_budget=MAX_TOKENS + 1, think_end_ids=END)
+    with pytest.raises(ValueError, match="think_end_ids takes at most"):
+        SamplingParams(thinking_budget=3, think_end_ids=[7] * 65)
