@@ -13,6 +13,15 @@ Sliding windows: for a model whose every layer attends to the last W keys only
 left behind goes back to the pool after each step (published first, so it stays a
 prefix-cache entry until evicted); its table entry becomes RELEASED, whose id (0) the
 attention kernels never read, since they start at each query's window.
+
+Local and global layers (Gemma 2/3, Qwen2 with max_window_layers: some layers windowed,
+the rest attending to everything; KVCacheManager `local_window`): block ids below
+`num_full` have storage in every layer, the ids above it only in the global layers
+(HybridPool). Every block a request allocates is full; once all its tokens fall behind
+the local window its global layers' K/V move to a global-only block (KVCacheManager.moves,
+copied by the engine before anything else touches the pool) and the full block goes
+back. A long context then holds a window's worth of full blocks and the rest in the
+global layers only, not the whole context in every layer.
 """
 
 from __future__ import annotations
@@ -114,10 +123,15 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}
         self.on_evict = on_evict
         self.num_evictions = 0
+        self.num_full = num_blocks  # ids below: storage in every layer (HybridPool: fewer)
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    def _queue(self, block: KVBlock) -> FreeBlockQueue:
+        """The free queue a block returns to."""
+        return self.free_queue
 
     @property
     def num_free(self) -> int:
@@ -149,11 +163,16 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
 
+    def lacks(self, block_hash: bytes) -> bool:
+        """Whether no block with room in every layer holds this hash (a host tier's load
+        is worth putting in)."""
+        return block_hash not in self.cached
+
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cache hits (pulling free ones out of the queue)."""
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free_queue.remove(b)
+                self._queue(b).remove(b)
             b.ref_cnt += 1
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
@@ -163,7 +182,7 @@ class BlockPool:
             b.ref_cnt -= 1
             assert b.ref_cnt >= 0, f"block {b.block_id} freed twice"
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                self._queue(b).append(b)
 
     def give_back(self, blocks: Sequence[KVBlock]) -> None:
         """Return fresh blocks that never held anything worth keeping (no hash, one
@@ -172,7 +191,7 @@ class BlockPool:
         for b in blocks:
             assert b.ref_cnt == 1 and b.block_hash is None, f"block {b.block_id} is shared"
             b.ref_cnt = 0
-            self.free_queue.appendleft(b)
+            self._queue(b).appendleft(b)
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
         """Publish a full block under its hash. A hash already cached keeps its first
@@ -183,6 +202,98 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+
+    def queued(self) -> list[KVBlock]:
+        """Every block in a free queue (check_integrity)."""
+        return list(self.free_queue)
+
+
+class HybridPool(BlockPool):
+    """Blocks [0, num_full) have storage in every layer, [num_full, num_blocks) only in
+    the global (non-windowed) layers. Allocations, `num_free` and the eviction hook
+    concern the full blocks; `take_global` hands out global-only ones.
+
+    The prefix-cache index `cached` serves both kinds. A full block whose global layers
+    moved to a global-only one keeps its hash as a shadow (`shadow`, evictable like any
+    cached block): its windowed layers are what a prefix hit needs for the last window
+    before the first position it computes (KVCacheManager.get_computed_blocks)."""
+
+    def __init__(self, num_blocks: int, num_full: int,
+                 on_evict: Callable[[int, bytes], None] | None = None):
+        if not 1 <= num_full < num_blocks:
+            raise ValueError(f"num_full must be in [1, {num_blocks}), not {num_full}")
+        super().__init__(num_blocks, on_evict)
+        self.num_full = num_full
+        self.free_queue = FreeBlockQueue(self.blocks[:num_full])
+        self.global_queue = FreeBlockQueue(self.blocks[num_full:])
+        self.shadow: dict[bytes, KVBlock] = {}
+
+    def _queue(self, block: KVBlock) -> FreeBlockQueue:
+        return self.free_queue if block.block_id < self.num_full else self.global_queue
+
+    @property
+    def num_free_global(self) -> int:
+        return self.global_queue.num_free
+
+    def full_version(self, block: KVBlock) -> KVBlock | None:
+        """`block` if it is full, else the full block shadowing its hash (or None)."""
+        if block.block_id < self.num_full:
+            return block
+        return None if block.block_hash is None else self.shadow.get(block.block_hash)
+
+    def lacks(self, block_hash: bytes) -> bool:
+        known = self.cached.get(block_hash)
+        return known is None or self.full_version(known) is None
+
+    def take_global(self) -> KVBlock | None:
+        """A free global-only block (one reference, no hash), or None."""
+        if self.global_queue.num_free == 0:
+            return None
+        block = self.global_queue.popleft()
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        return block
+
+    def hand_over(self, block: KVBlock, dest: KVBlock) -> None:
+        """`dest` (global-only) takes over the index entry of `block` (full), which stays
+        behind as its shadow."""
+        h = block.block_hash
+        if h is not None and self.cached.get(h) is block:
+            self.cached[h] = dest
+            dest.block_hash = h
+            self.shadow[h] = block
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """As BlockPool.cache; a full block whose hash only a global-only block has
+        becomes its shadow."""
+        known = self.cached.get(block_hash)
+        if block.block_hash is None and known is not None and \
+                known.block_id >= self.num_full and block.block_id < self.num_full and \
+                block_hash not in self.shadow:
+            block.block_hash = block_hash
+            self.shadow[block_hash] = block
+            return
+        super().cache(block, block_hash)
+
+    def _evict(self, block: KVBlock) -> None:
+        h = block.block_hash
+        assert h is not None
+        if self.shadow.get(h) is block:
+            del self.shadow[h]
+        elif self.cached.get(h) is block:
+            del self.cached[h]
+            full = self.shadow.pop(h, None)
+            if full is not None:  # a global-only block leaves: its shadow is the entry now
+                self.cached[h] = full
+        block.block_hash = None
+        self.num_evictions += 1
+        # a global-only block holds only some layers: nothing for a host tier to keep
+        if block.block_id < self.num_full and self.on_evict is not None:
+            self.on_evict(block.block_id, h)
+
+    def queued(self) -> list[KVBlock]:
+        return [*self.free_queue, *self.global_queue]
 
 
 class KVCacheManager:
@@ -195,18 +306,32 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         on_evict: Callable[[int, bytes], None] | None = None,
         window: int = 0,
+        local_window: int = 0,
+        num_full: int | None = None,
     ) -> None:
         """`window`: the model's sliding window where every layer has one (0: none);
-        blocks behind it are released after each step (release_behind_window)."""
+        blocks behind it are released after each step (release_behind_window).
+        `local_window` with `num_full` < num_blocks: the window of a model whose other
+        layers attend to everything; ids from num_full up are global-only (HybridPool),
+        and blocks behind the window move there after each step (move_behind_window)."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if window and local_window:
+            raise ValueError("window (every layer) and local_window (some) exclude each other")
         self.block_size = block_size
         self.window = window
+        hybrid = bool(local_window) and num_full is not None and num_full < num_blocks
+        self.local_window = local_window if hybrid else 0
+        # (source, destination) block ids whose global layers' K/V must be copied before
+        # the pool is touched again (take_moves)
+        self.moves: list[tuple[int, int]] = []
+        self.num_moved = 0  # blocks moved to global-only storage (a counter for tests)
         # leading entries of each table already released behind the window
         self._released: dict[str, int] = {}
         self.num_released = 0  # blocks released behind windows (a counter for tests)
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, on_evict)
+        self.pool = HybridPool(num_blocks, num_full, on_evict) if hybrid and num_full else \
+            BlockPool(num_blocks, on_evict)
         self.tables: dict[str, list[KVBlock]] = {}
         self._ids: dict[str, list[int]] = {}  # each table's block ids (block_ids())
         # leading blocks of each table already passed to pool.cache (each step then
@@ -224,7 +349,12 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
+        """The fuller of the two kinds of blocks (HybridPool), or of the one pool."""
+        pool = self.pool
+        used = 1.0 - pool.num_free / pool.num_full
+        if isinstance(pool, HybridPool):
+            used = max(used, 1.0 - pool.num_free_global / (pool.num_blocks - pool.num_full))
+        return used
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table as ids: a live list, extended as the request
@@ -256,9 +386,44 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.local_window:
+            hits = self._full_at_the_end(hits)
         self.num_queries += req.num_tokens
         self.num_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def first_to_load(self, req: Request, num_hits: int) -> int:
+        """Where a host tier's load for `req` starts: past its `num_hits` device hits, or
+        (HybridPool) where a hit cut short for want of full blocks at its end needs
+        them: the last local window of the cached run (get_computed_blocks found it)."""
+        if not self.local_window:
+            return num_hits
+        run = 0
+        for h in req.block_hashes[: (req.num_tokens - 1) // self.block_size]:
+            if self.pool.lookup(h) is None:
+                break
+            run += 1
+        if run <= num_hits:
+            return num_hits
+        return max(0, run * self.block_size - self.local_window + 1) // self.block_size
+
+    def _full_at_the_end(self, hits: list[KVBlock]) -> list[KVBlock]:
+        """The longest run of `hits` whose last local window lies in full blocks (each
+        global-only hit there swapped for its shadow): the windowed layers read the keys
+        (p - window, p) of the first position p computed after it, which global-only
+        blocks do not hold."""
+        pool = self.pool
+        assert isinstance(pool, HybridPool)
+        bs, w = self.block_size, self.local_window
+        n = len(hits)
+        while n > 0:
+            first = max(0, n * bs - w + 1) // bs  # the first block p's window reaches
+            tail = [pool.full_version(b) for b in hits[first:n]]
+            missing = [i for i, b in enumerate(tail) if b is None]
+            if not missing:
+                return hits[:first] + tail  # type: ignore[operator]  # (no None left)
+            n = first + missing[-1]  # (a longer run ending past it would reach it too)
+        return []
 
     def allocate_slots(
         self,
@@ -287,7 +452,8 @@ class KVCacheManager:
                          len(computed_blocks))
         live = computed_blocks[behind:]
         # Cached hits sitting in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in live if b.ref_cnt == 0)
+        nf = self.pool.num_full
+        num_evictable_hits = sum(1 for b in live if b.ref_cnt == 0 and b.block_id < nf)
         if num_new + num_evictable_hits + reserve_blocks > self.pool.num_free:
             return False
         self.pool.touch(live)
@@ -316,6 +482,8 @@ class KVCacheManager:
             self._publish(req, table)
         if self.window:
             self.release_behind_window(req)
+        elif self.local_window:
+            self.move_behind_window(req)
 
     def release_behind_window(self, req: Request) -> None:
         """Give back the blocks holding only tokens no future query of `req` can see: the
@@ -337,6 +505,51 @@ class KVCacheManager:
         self._released[req.request_id] = dead
         self.num_released += len(behind)
         self.pool.free(behind)
+
+    def move_behind_window(self, req: Request) -> None:
+        """Move the blocks whose tokens no future query of `req` sees through the local
+        window to global-only ones (the copies wait in `moves`); the full blocks go back
+        to the pool, published ones as shadows. A block shared with another request stays
+        (the other may still read it locally); so does the rest of the run when no
+        global-only block is free (tried again next step)."""
+        table = self.tables.get(req.request_id)
+        if not table:
+            return
+        pool = self.pool
+        assert isinstance(pool, HybridPool)
+        first_visible = req.num_computed_tokens - self.local_window + 1
+        dead = min(max(0, first_visible) // self.block_size, len(table))
+        i = self._released.get(req.request_id, 0)
+        ids = self._ids[req.request_id]
+        while i < dead:
+            b = table[i]
+            if b.block_id < pool.num_full and b.ref_cnt == 1:
+                h = b.block_hash
+                twin = pool.cached.get(h) if h is not None and pool.shadow.get(h) is b else None
+                if twin is not None:  # a hit on its shadow: moved once already, no copy
+                    pool.touch([twin])
+                    dest = twin
+                else:
+                    fresh = pool.take_global()
+                    if fresh is None:
+                        break
+                    self.moves.append((b.block_id, fresh.block_id))
+                    pool.hand_over(b, fresh)
+                    dest = fresh
+                table[i], ids[i] = dest, dest.block_id
+                if b.block_hash is None:
+                    pool.give_back([b])  # (unpublished: the next allocation takes it)
+                else:
+                    pool.free([b])
+                self.num_moved += 1
+            i += 1
+        self._released[req.request_id] = i
+
+    def take_moves(self) -> list[tuple[int, int]]:
+        """The copies move_behind_window asked for since the last call; the engine makes
+        them before the pool hands out a block again."""
+        moves, self.moves = self.moves, []
+        return moves
 
     def _publish(self, req: Request, table: list[KVBlock]) -> None:
         num_full = req.num_computed_tokens // self.block_size
@@ -372,21 +585,24 @@ class KVCacheManager:
         self._ids.pop(req.request_id, None)
         self._published.pop(req.request_id, None)
         released = self._released.pop(req.request_id, 0)
+        if self.local_window:
+            released = 0  # (the pointer counts blocks moved, which the table still holds)
         if table:
             self.pool.free(list(reversed(table[released:])))
 
     def check_integrity(self) -> None:
         """free + cached + in-use == total, and ref counts match the block tables."""
         pool = self.pool
-        queued = list(pool.free_queue)
-        assert len(queued) == pool.num_free, "free queue count drifted"
+        queued = pool.queued()
+        assert len(queued) == pool.num_free + getattr(pool, "num_free_global", 0), \
+            "free queue count drifted"
         assert len({b.block_id for b in queued}) == len(queued), "block queued twice"
         assert all(b.ref_cnt == 0 for b in queued), "in-use block in the free queue"
         refs: dict[int, int] = {}
         assert self._ids.keys() == self.tables.keys(), "block id lists out of step"
         for rid, table in self.tables.items():
             assert self._ids[rid] == [b.block_id for b in table], "block id list drifted"
-            released = self._released.get(rid, 0)
+            released = 0 if self.local_window else self._released.get(rid, 0)
             assert all(b is RELEASED for b in table[:released]), "released entry reused"
             for b in table[released:]:
                 assert b is not RELEASED, "a block released out of order"
@@ -397,3 +613,6 @@ class KVCacheManager:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id} ref count"
         for h, b in pool.cached.items():
             assert b.block_hash == h, "cache index points at a block with another hash"
+        for h, b in getattr(pool, "shadow", {}).items():
+            assert b.block_hash == h and b.block_id < pool.num_full, "bad shadow"
+            assert pool.cached[h].block_id >= pool.num_full, "a shadow of a full block"

@@ -40,6 +40,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer; None: the model has none
     max_model_len: int
     num_blocks: int
+    num_full_blocks: int  # < num_blocks: windowed layers hold only these (HybridPool)
     kv: KVCacheManager
     evicted: EvictionLog | None  # what the pool evicts, for a host tier to copy out
     runner: ModelRunner
@@ -58,20 +59,23 @@ def load_model(config: EngineConfig, progress: LoadProgress) -> LoadedModel:
         tokenizer: Any = load_tokenizer(model_dir)
     max_model_len = min(config.max_model_len or arch.max_context, arch.max_context)
     cc = config.cache
-    num_blocks = cc.num_blocks or auto_num_blocks(config, arch, platform.dtype, max_model_len)
+    num_blocks, num_full = kv_blocks(config, arch, platform.dtype, max_model_len)
     # a host tier hears of every cached block the pool evicts (to copy it out)
     tiered = config.tier.kind != "none" and cc.enable_prefix_caching
     evicted = EvictionLog() if tiered else None
-    # a window on every layer: blocks behind it go back to the pool after each step
+    # a window on every layer: blocks behind it go back to the pool after each step; on
+    # some layers: they move to blocks with room in the global layers only
     window = arch.sliding_window or 0 if arch.windowed_everywhere else 0
+    local_window = 0 if window else arch.sliding_window or 0
     kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, on_evict=evicted,
-                        window=window)
+                        window=window, local_window=local_window, num_full=num_full)
     if platform.runs_cpu_kernels:
         with progress.phase("CPU kernels (compiled once per machine)"):
             platform.load_kernels()
     with progress.phase("weights"):
         weights = load_weights(model_dir)
-    with progress.phase(f"model and KV cache ({num_blocks} blocks"
+    held = f", {num_full} of them in every layer" if num_full < num_blocks else ""
+    with progress.phase(f"model and KV cache ({num_blocks} blocks{held}"
                         f"{', int8 quantization' if config.quantization != 'none' else ''}"
                         f"{', int8 KV cache' if cc.dtype == 'int8' else ''})"):
         runner = ModelRunner(
@@ -81,10 +85,10 @@ def load_model(config: EngineConfig, progress: LoadProgress) -> LoadedModel:
             quantization=config.quantization,
             quant_cache=quant_cache_path(config, model_dir),
             prefault=cc.prefault if cc.prefault is not None else prefault_default(),
-            kv_cache_dtype=cc.dtype)
+            kv_cache_dtype=cc.dtype, num_full_blocks=num_full)
         del weights
-    return LoadedModel(platform, model_dir, arch, tokenizer, max_model_len, num_blocks, kv,
-                       evicted, runner)
+    return LoadedModel(platform, model_dir, arch, tokenizer, max_model_len, num_blocks,
+                       num_full, kv, evicted, runner)
 
 
 def eos_ids(arch: ModelArch, tokenizer: Any) -> frozenset[int]:
@@ -115,6 +119,35 @@ def auto_num_blocks(config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
     budget = config.kv_cache_memory // per_block
     most = -(-max_model_len // bs) * config.scheduler.max_num_seqs
     return max(1, min(budget, most))
+
+
+def kv_blocks(config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
+              max_model_len: int) -> tuple[int, int]:
+    """(block ids, of them the full ones). A model whose layers are all global or all
+    windowed: every block is full. One with both (HybridPool): the full blocks cover
+    every sequence slot's local window and a step's new tokens (at most half the memory
+    budget, or half the given num_blocks), and the rest of the budget buys blocks of the
+    global layers only, each costing global/all layers of a full one."""
+    cc = config.cache
+    window = arch.sliding_window or 0
+    glob = sum(1 for i in range(arch.num_layers) if not arch.window(i))
+    if not window or not glob:
+        n = cc.num_blocks or auto_num_blocks(config, arch, dtype, max_model_len)
+        return n, n
+    bs, sc = cc.block_size, config.scheduler
+    spec = config.speculative.num_tokens if config.speculative.method != "none" else 0
+    want = cc.num_full_blocks or (sc.max_num_seqs * (-(-window // bs) + 1)
+                                  + -(-(sc.max_num_batched_tokens + spec) // bs))
+    if cc.num_blocks:
+        full = min(cc.num_blocks, cc.num_full_blocks or min(want, -(-cc.num_blocks // 2)))
+        return cc.num_blocks, full
+    per_full = arch.kv_bytes_per_block(bs, dtype, cc.dtype)
+    per_global = per_full * glob // arch.num_layers
+    budget = config.kv_cache_memory
+    full = max(1, min(want, budget // 2 // per_full))
+    most = -(-max_model_len // bs) * sc.max_num_seqs
+    n = min(most, full + max(0, budget - full * per_full) // per_global)
+    return (n, full) if n > full else (n, n)
 
 
 def quant_cache_path(config: EngineConfig, model_dir: Path) -> Path | None:

@@ -46,10 +46,16 @@ class CacheConfig:
     # the tokens of a bf16 cache in the same memory (head_dim 64), decode attention
     # reading about half the bytes
     dtype: str = "auto"
+    # A model with local (sliding-window) and global layers: how many blocks have room in
+    # every layer; the rest hold the global layers only (engine/block_manager.py
+    # HybridPool). 0: enough for every sequence slot's window, at most half the memory.
+    num_full_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
+        if self.num_full_blocks < 0:
+            raise ValueError("num_full_blocks must be >= 0")
         if self.dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, "
                              f"got {self.dtype!r}")
@@ -198,6 +204,7 @@ _SECTIONS = ("cache", "scheduler", "tier", "speculative")  # EngineConfig's sub-
 _NESTED: dict[str, tuple[str, str]] = {
     "block_size": ("cache", "block_size"),
     "num_kv_blocks": ("cache", "num_blocks"),
+    "num_full_kv_blocks": ("cache", "num_full_blocks"),
     "enable_prefix_caching": ("cache", "enable_prefix_caching"),
     "kv_prefault": ("cache", "prefault"),
     "kv_cache_dtype": ("cache", "dtype"),

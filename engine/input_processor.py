@@ -31,8 +31,11 @@ class ModelLimits:
     block_size: int
     num_blocks: int
     # a sliding window on every layer (KVCacheManager.window): a request then holds at
-    # most the window plus one step's tokens, whatever its length (0: no window)
+    # most the window plus one step's tokens, whatever its length (0: no window); on
+    # some layers (KVCacheManager.local_window): it holds that many in full blocks
     window_tokens: int = 0
+    num_full_blocks: int = 0  # blocks with room in every layer (0: num_blocks)
+    global_layers: bool = False  # local_window: the whole context also in global layers
 
 
 def held_tokens(window: int, config: EngineConfig) -> int:
@@ -167,10 +170,13 @@ class InputProcessor:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) exceeds the "
                 f"context window of {lim.max_model_len} tokens")
         bs = lim.block_size
-        held, slack = num_prompt + max_tokens, 0
+        total = num_prompt + max_tokens
+        held, slack = total, 0
         if lim.window_tokens and lim.window_tokens < held:  # a block may straddle its start
             held, slack = lim.window_tokens, 1
-        if -(-held // bs) + slack > lim.num_blocks:
+        full = lim.num_full_blocks or lim.num_blocks
+        if -(-held // bs) + slack > full or lim.global_layers and -(-total // bs) > lim.num_blocks:
             raise PromptTooLongError(
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs more KV "
-                f"blocks than the pool has ({lim.num_blocks} x {bs} tokens)")
+                f"blocks than the pool has ({lim.num_blocks} x {bs} tokens"
+                f"{f', {full} of them in every layer' if full < lim.num_blocks else ''})")

@@ -199,7 +199,7 @@ class KVOffload:
         pool = self.kv.pool
         todo = []
         for h, payload in zip(job.hashes, job.payloads or ()):
-            if pool.lookup(h) is None:  # (another request may have computed it meanwhile)
+            if pool.lacks(h):  # (another request may have computed it meanwhile)
                 todo.append((h, payload))
         job.req.num_host_cached_tokens = len(job.payloads or ()) * self.kv.block_size
         self._forget(job.hashes[len(job.payloads or ()):])
@@ -276,7 +276,10 @@ class KVOffload:
         queue to drain (graceful shutdown). Returns the number of blocks queued."""
         self.capture()
         self.ship()
-        todo = [(b.block_id, h) for h, b in self.kv.pool.cached.items() if h not in self._known]
+        pool = self.kv.pool  # (a global-only block holds only some layers: its shadow)
+        cached = pool.cached.items() | getattr(pool, "shadow", {}).items()
+        todo = [(b.block_id, h) for h, b in cached
+                if h not in self._known and b.block_id < pool.num_full]
         deadline = time.monotonic() + timeout
         for i in range(0, len(todo), 64):
             part = todo[i : i + 64]

@@ -78,7 +78,9 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, ModelLimits(self.arch.vocab_size, self.max_model_len,
                                         self.config.cache.block_size, self.num_blocks,
-                                        held_tokens(self.kv.window, self.config)),
+                                        held_tokens(self.kv.window or self.kv.local_window,
+                                                    self.config),
+                                        self.kv.pool.num_full, bool(self.kv.local_window)),
             self.eos_token_ids, self.grammars, self.outputs.byte_table)
         holders: list[Releases] = [self.runner]  # (a sample's proposer state goes first)
         if self.speculator is not None:
@@ -327,6 +329,8 @@ class LLMEngine:
         """The step's block bookkeeping, after its outputs went out: commit, write-through,
         and start the siblings whose first sample's prompt is computed."""
         self.scheduler.commit(sched)
+        if self.kv.moves:  # (before anything can hand the blocks moved out to another)
+            self.runner.move_blocks(self.kv.take_moves())
         if self.offload is not None and self.kv.new_prompt_blocks:
             self.offload.write_through()
         self.lifecycle.start_siblings(touched)

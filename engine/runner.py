@@ -95,14 +95,16 @@ class ModelRunner:
                  platform: Platform, block_size: int, num_blocks: int, seed: int | None = None,
                  max_num_seqs: int = 64, max_model_len: int = 8192, quantization: str = "none",
                  quant_cache: Path | None = None, prefault: bool = False,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", num_full_blocks: int | None = None) -> None:
         """Keyword-only past `weights`: most are ints, easily swapped by position.
         `platform` plans the model (Platform.plan): its dtype, backend, ops and fast
         decode path (CUDA graphs, engine/cuda_graphs.py; the compiled decode step,
         engine/compiled_step.py; or none). `quantization`: "none" or "int8"
         (engine/quant.py), cached in `quant_cache`. `prefault`: see kv_pool.
         `kv_cache_dtype`: "auto" (the activations' dtype) or "int8" (the cpu backend's
-        q8 cache, engine/attention/cpu.py)."""
+        q8 cache, engine/attention/cpu.py). `num_full_blocks` < num_blocks (a model with
+        local and global layers, block_manager.HybridPool): the windowed layers' caches
+        hold only the first num_full_blocks blocks."""
         self.plan = plan = platform.plan(arch, quantization, kv_cache_dtype)
         log.debug("%s on %s", plan, platform)
         attn = platform.attention(arch, plan, block_size)
@@ -111,10 +113,29 @@ class ModelRunner:
         self.device = torch.device(plan.device)
         self.model = build_model(arch, weights, plan, attn, quant_cache)
         # One tensor holds every layer's K and V cache, so that moving whole blocks to
-        # or from the host tier is one gather or scatter, not two per layer.
-        self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)), attn.cache_dtype,
-                          self.device, prefault)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self.kv.unbind(0)]
+        # or from the host tier is one gather or scatter, not two per layer. With local
+        # and global layers, two: the global layers' over every block id, the windowed
+        # layers' over the full blocks only.
+        self.kv_local: torch.Tensor | None = None
+        self._layer_groups: tuple[torch.Tensor, torch.Tensor] | None = None
+        nf = num_blocks if num_full_blocks is None else num_full_blocks
+        if nf < num_blocks:
+            local = [i for i in range(arch.num_layers) if arch.window(i)]
+            glob = [i for i in range(arch.num_layers) if not arch.window(i)]
+            if not local or not glob:
+                raise ValueError("num_full_blocks < num_blocks needs windowed and global layers")
+            self.kv = kv_pool((len(glob), 2, *attn.cache_shape(num_blocks)), attn.cache_dtype,
+                              self.device, prefault)
+            self.kv_local = kv_pool((len(local), 2, *attn.cache_shape(nf)), attn.cache_dtype,
+                                    self.device, prefault)
+            caches = dict(zip(glob, self.kv.unbind(0))) | dict(zip(local, self.kv_local.unbind(0)))
+            self.kv_caches = [(caches[i][0], caches[i][1]) for i in range(arch.num_layers)]
+            self._layer_groups = (torch.tensor(glob, device=self.device),
+                                  torch.tensor(local, device=self.device))
+        else:
+            self.kv = kv_pool((arch.num_layers, 2, *attn.cache_shape(num_blocks)),
+                              attn.cache_dtype, self.device, prefault)
+            self.kv_caches = [(layer[0], layer[1]) for layer in self.kv.unbind(0)]
         self.sampler = Sampler(seed)
         self._generators: dict[str, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
@@ -285,7 +306,15 @@ class ModelRunner:
         anything later overwrites them. The cheap half of read_blocks, the one that must
         come before the next forward; to_host does the rest, off the critical path."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return self.attn.gather_blocks(self.kv, idx)
+        if self._layer_groups is None:
+            return self.attn.gather_blocks(self.kv, idx)
+        assert self.kv_local is not None  # (full blocks only: the local layers' too)
+        glob, local = self._layer_groups
+        g = self.attn.gather_blocks(self.kv, idx)
+        out = g.new_empty((len(block_ids), len(self.kv_caches), *g.shape[2:]))
+        out[:, glob] = g
+        out[:, local] = self.attn.gather_blocks(self.kv_local, idx)
+        return out
 
     @torch.inference_mode()
     def to_host(self, blocks: torch.Tensor) -> BlockCopy:
@@ -310,7 +339,24 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Store whole blocks given as read_blocks returns them."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        self.attn.scatter_blocks(self.kv, idx, data.to(self.device, non_blocking=True))
+        data = data.to(self.device, non_blocking=True)
+        if self._layer_groups is None:
+            self.attn.scatter_blocks(self.kv, idx, data)
+            return
+        assert self.kv_local is not None
+        glob, local = self._layer_groups
+        self.attn.scatter_blocks(self.kv, idx, data[:, glob])
+        self.attn.scatter_blocks(self.kv_local, idx, data[:, local])
+
+    @torch.inference_mode()
+    def move_blocks(self, moves: list[tuple[int, int]]) -> None:
+        """Copy the global layers' K/V of each (source, destination) block pair: blocks
+        the block manager moved behind the local window (KVCacheManager.take_moves)."""
+        if not moves:
+            return
+        src = torch.tensor([s for s, _ in moves], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in moves], dtype=torch.long, device=self.device)
+        self.attn.scatter_blocks(self.kv, dst, self.attn.gather_blocks(self.kv, src))
 
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)

@@ -79,7 +79,7 @@ class Scheduler:
         self._finishing: list[Request] = []  # finished by advance(), freed by commit()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
-        self._watermark = int(config.watermark * kv.pool.num_blocks)
+        self._watermark = int(config.watermark * kv.pool.num_full)  # (the blocks allocations take)
 
     def add(self, req: Request) -> None:
         if req.request_id in self.requests:
@@ -208,7 +208,8 @@ class Scheduler:
         hits, num_cached = self.kv.get_computed_blocks(req)
         if self.tier is not None and not req.tier_checked:
             req.tier_checked = True
-            if self.tier.start(req, len(hits)):  # the rest of the batch keeps going
+            if self.tier.start(req, self.kv.first_to_load(req, len(hits))):
+                # (the rest of the batch keeps going)
                 self.waiting.popleft()
                 req.status = RequestStatus.LOADING
                 self.loading[req.request_id] = req

@@ -122,7 +122,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """reference.rms_norm, fused: returns (normed, new residual). With a residual, the sum
     x + residual is written into `residual` (which must be the caller's to overwrite) and
-    returned as the new residual. x, residual: contiguous [rows, hidden], hidden % 16 == 0."""
+    returned as the new residual. x, residual: contiguous [rows, hidden], hidden % 16 == 0.
+    The weight: in x's dtype, or fp32 (Gemma's norms: see reference.rms_norm)."""
     out = torch.empty_like(x)
     if residual is None:
         torch.ops.tidewire.rms_norm(out, x, x, weight, eps, False)

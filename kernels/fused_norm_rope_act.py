@@ -20,7 +20,8 @@ from kernels._common import next_pow2
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     SCALE_FP32: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -34,7 +35,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    h = (xf * rstd).to(x.dtype).to(tl.float32)  # the weight multiplies after the cast, as HF
+    if SCALE_FP32:  # an fp32 weight multiplies before the cast (Gemma's, as HF)
+        h = xf * rstd
+    else:  # one in the activations' dtype after it (Llama's, as HF)
+        h = (xf * rstd).to(x.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * h).to(x.dtype), mask=ok)
 
 
@@ -52,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, residual if residual is not None else x, weight, out, res_out, n, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         res_out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=next_pow2(n),
-        num_warps=4 if n <= 4096 else 8)
+        SCALE_FP32=weight.dtype == torch.float32, num_warps=4 if n <= 4096 else 8)
     return out, res_out
 
 

@@ -20,12 +20,16 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of (x + residual). Returns (normed, new_residual).
 
-    x, residual: [num_tokens, hidden] in the activation dtype; weight: [hidden]."""
+    x, residual: [num_tokens, hidden] in the activation dtype; weight: [hidden], in the
+    activation dtype (it multiplies after the cast to it, as HF's Llama norm) or in fp32
+    (it multiplies before: Gemma's (1 + w) norms, as HF's Gemma computes them)."""
     if residual is not None:
         x = x + residual
     # F.rms_norm in fp32 is bit-identical to HF's x * rsqrt(mean(x^2) + eps) and one op
-    # instead of five; the weight multiplies after the cast, as in HF.
+    # instead of five.
     h = F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    if weight.dtype == torch.float32:
+        return (h * weight).to(x.dtype), x
     return weight * h.to(x.dtype), x
 
 

@@ -202,3 +202,98 @@ def test_a_window_releases_blocks_behind_it_and_takes_no_reference_on_hits_there
     m.free(second)
     m.check_integrity()
     assert m.num_free_blocks == 64
+
+
+def _held(m: KVCacheManager, rid: str) -> tuple[int, int]:
+    """(full, global-only) blocks in the request's table."""
+    nf = m.pool.num_full
+    table = m.tables[rid]
+    return sum(b.block_id < nf for b in table), sum(b.block_id >= nf for b in table)
+
+
+def test_local_and_global_layers_hold_a_window_of_full_blocks_and_hit_the_next_turn() -> None:
+    """Some layers windowed (128 tokens), the rest global: a 1,000-token prompt holds its
+    window (and a chunk) in full blocks and the rest in global-only ones, each move a
+    copy from a full block to a global-only one. A request sharing its first 700 tokens
+    hits 43 blocks: the 8 in its first window are the full blocks left behind as
+    shadows, the rest global-only; moving those shadows later costs no copy."""
+    m = KVCacheManager(num_blocks=300, block_size=16, local_window=128, num_full=120)
+    first = req("a", list(range(1000, 2000)))
+    most = 0
+    while first.num_computed_tokens < first.num_prompt_tokens:
+        take = min(256, first.num_prompt_tokens - first.num_computed_tokens)
+        assert m.allocate_slots(first, take)
+        first.num_computed_tokens += take
+        most = max(most, _held(m, "a")[0])
+        m.cache_full_blocks(first)
+        m.check_integrity()
+    assert most <= (128 + 256) // 16 + 1
+    full, moved = _held(m, "a")
+    assert moved == (1000 - 128 + 1) // 16 and full + moved == -(-1000 // 16)
+    moves = m.take_moves()
+    assert len(moves) == moved == m.num_moved and m.moves == []
+    assert all(src < 120 <= dst for src, dst in moves)
+    m.free(first)
+    m.check_integrity()
+    second = req("b", list(range(1000, 1700)) + list(range(5000, 5300)))
+    hits, n = m.get_computed_blocks(second)
+    assert n == 43 * 16
+    first_window = (43 * 16 - 128 + 1) // 16  # 35
+    assert [b.block_id < 120 for b in hits] == [False] * first_window + [True] * 8
+    assert m.allocate_slots(second, second.num_prompt_tokens - n, hits)
+    second.num_computed_tokens = second.num_prompt_tokens
+    m.cache_full_blocks(second)
+    m.check_integrity()
+    dead = (1000 - 128 + 1) // 16  # 54: entries 35..42 moved onto their global-only
+    assert _held(m, "b")[1] == dead  # blocks, 43..53 copied
+    assert m.num_moved == moved + (dead - first_window) and len(m.take_moves()) == dead - 43
+    m.free(second)
+    m.check_integrity()
+    assert m.num_free_blocks == 120
+
+
+def test_a_hit_needs_its_last_window_in_full_blocks() -> None:
+    """Once the full blocks of a cached chain are evicted (their shadows and the last
+    window's), the global-only rest cannot serve a hit: the windowed layers would read
+    nothing before the first position computed. The request computes from the start."""
+    m = KVCacheManager(num_blocks=200, block_size=16, local_window=64, num_full=24)
+    first = req("a", list(range(1000, 1640)))  # 40 blocks
+    _prefill(m, first, 128)
+    m.take_moves()
+    m.free(first)
+    again = req("b", list(range(1000, 1640)))
+    hits, n = m.get_computed_blocks(again)
+    assert n == 39 * 16  # all but the last block (its last token is computed again)
+    filler = req("f", list(range(9000, 9000 + 24 * 16)))
+    assert m.allocate_slots(filler, 24 * 16)  # takes (evicts) every full block
+    m.free(filler)
+    m.check_integrity()
+    hits, n = m.get_computed_blocks(req("c", list(range(1000, 1640))))
+    assert (hits, n) == ([], 0)
+
+
+def test_blocks_shared_with_another_request_or_without_global_room_stay_full() -> None:
+    """When no global-only block is free a request's blocks behind the window stay full
+    (the run resumes once one is); a block another running request also holds is not
+    moved (that one may still read it through its window)."""
+    m = KVCacheManager(num_blocks=36, block_size=16, local_window=32, num_full=30)
+    prefix = list(range(1000, 1160))  # 10 blocks
+    a = req("a", prefix + [1])
+    _prefill(m, a, 64)
+    # 8 blocks lie behind a's window, but only 6 global-only ones exist
+    assert _held(m, "a") == (5, 6) and m.pool.num_free_global == 0  # type: ignore[attr-defined]
+    assert m._released["a"] == 6
+    b = req("b", prefix + [2] * 40)
+    hits, n = m.get_computed_blocks(b)
+    assert n == 160 and [h.block_id < 30 for h in hits] == [False] * 6 + [True] * 4
+    assert m.allocate_slots(b, b.num_prompt_tokens - n, hits)
+    b.num_computed_tokens = b.num_prompt_tokens
+    before = m.num_moved
+    m.cache_full_blocks(b)
+    m.check_integrity()
+    assert m.num_moved == before  # entries 6..9 are a's too
+    assert [blk.ref_cnt for blk in m.tables["b"][6:10]] == [2] * 4
+    m.free(a)
+    m.free(b)
+    m.check_integrity()
+    assert m.num_free_blocks == 30

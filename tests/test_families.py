@@ -65,6 +65,9 @@ REGIMES = {
                         speculative_min_acceptance=0.0),
 }
 COMBINED = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
+# local and global layers (Gemma 3): 16 blocks with room in every layer, 32 more in the
+# global layers only, which the blocks behind the window move to (block_manager.HybridPool)
+HYBRID = dict(num_kv_blocks=48, num_full_kv_blocks=16)
 FULL_MATRIX = os.environ.get("TIDEWIRE_FAMILY_MATRIX", "") not in ("", "0")
 # the families `make test` also runs under the Triton interpreter (~15 s each): between
 # them every switch of the model layer (windows, q/k norms, Gemma's norms, partial
@@ -99,7 +102,8 @@ def _check(llm: LLM, path, prompts: list[list[int]], params: SamplingParams = GR
     for i, (g, w) in enumerate(zip(got, want)):
         for sample in g.outputs:
             assert sample.token_ids == w, f"prompt {i} (len {len(prompts[i])}) diverged"
-    assert llm.engine.kv.num_free_blocks == llm.engine.num_blocks
+    pool = llm.engine.kv.pool  # every block free again (of either kind: HybridPool)
+    assert len(pool.queued()) == pool.num_blocks == llm.engine.num_blocks
     llm.engine.kv.check_integrity()
     return got
 
@@ -124,11 +128,19 @@ def test_family_parity_regimes_combined(family_model, monkeypatch, family: str,
     prompts = _prompts(7)
     if engine_path == "triton":  # the interpreter is slow: fewer, shorter prompts
         prompts = prompts[:3]
-    llm = _llm(path, engine_path, monkeypatch, **COMBINED)
+    hybrid = family == "gemma3"
+    llm = _llm(path, engine_path, monkeypatch, **COMBINED | (HYBRID if hybrid else {}))
     first = _check(llm, path, prompts)
     kv = llm.engine.kv
+    assert bool(kv.local_window) == hybrid
     if kv.window:  # blocks behind the window went back to the pool as requests grew
         assert kv.num_released > 0
+    elif hybrid:  # (and to global-only blocks: the local layers hold the window only)
+        runner = llm.engine.runner
+        assert kv.num_moved > 0 and runner.kv_local is not None
+        # per layer, a local cache holds 16 blocks, a global one 48
+        assert runner.kv_local.numel() // len(runner.kv_local) * 3 == \
+            runner.kv.numel() // len(runner.kv)
     else:
         assert llm.engine.scheduler.num_preemptions > 0 or engine_path == "triton"
     again = _check(llm, path, prompts)

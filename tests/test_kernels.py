@@ -262,6 +262,37 @@ def test_fused_rms_norm_rope_silu_match_reference(dtype: torch.dtype) -> None:
     close(silu_and_mul(x2), ref.silu_and_mul(x2), dtype)
 
 
+def test_gemma_norms_scale_in_fp32_before_the_cast_as_hf() -> None:
+    """Gemma's (1 + w) RMSNorm in bf16: HF multiplies by the fp32 weight and rounds once;
+    an fp32 weight makes every rms_norm do the same (the reference bit for bit with HF's
+    module, the compiled CPU op through it, the Triton kernel to rounding), where a bf16
+    (1 + w) multiplied after the cast rounds twice and differs."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from kernels import cpu_ops
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(7, 96, generator=g) * 3).to(torch.bfloat16)
+    res = torch.randn(7, 96, generator=g).to(torch.bfloat16)
+    hf = Gemma3RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(96, generator=g))
+    hf = hf.to(torch.bfloat16)
+    w32 = 1.0 + hf.weight.float()
+    with torch.no_grad():
+        want = hf(x + res)
+    got, total = ref.rms_norm(x, w32, 1e-6, res)
+    assert torch.equal(total, x + res) and torch.equal(got, want)
+    twice, _ = ref.rms_norm(x, w32.to(torch.bfloat16), 1e-6, res)
+    assert not torch.equal(twice, want)  # (what the bf16 weight gave)
+    if cpu_ops.available():
+        r = res.clone()
+        got_cpu, new_res = cpu_ops.rms_norm(x, w32, 1e-6, r)
+        assert torch.equal(got_cpu, want) and new_res is r and torch.equal(r, x + res)
+    got_tr, _ = rms_norm(x.to(DEV), w32.to(DEV), 1e-6, res.to(DEV))
+    close(got_tr.cpu(), want, torch.bfloat16)
+
+
 def test_engine_with_triton_interpret_backend_matches_cpu_backend(tiny_models) -> None:
     """The whole engine on the Triton kernels (attention, cache write, RMSNorm, RoPE,
     SiLU-mul) under the interpreter: the same greedy tokens as the CPU backend and HF,

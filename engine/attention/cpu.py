@@ -46,6 +46,8 @@ class DecodeBucket:
     lens: torch.Tensor  # [rows] int64: each row's context
     # per sliding window: `mask` also hiding keys before each row's window (_decode_mask)
     windowed: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # per cache size: block_ids bounded to it (_bounded)
+    bounded: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +59,18 @@ class CpuPrefill:
     mask: torch.Tensor | None  # [q_len, ctx_len] bool when there is cached context
     # per sliding window: [q_len, ctx_len] bool, causal and within it (_prefill_mask)
     windowed: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    bounded: dict[int, torch.Tensor] = field(default_factory=dict)  # (as DecodeBucket's)
+
+
+def _bounded(ids: torch.Tensor, num_blocks: int, memo: dict[int, torch.Tensor]) -> torch.Tensor:
+    """`ids` for a cache of `num_blocks` blocks. A windowed layer of a model with global
+    layers too has a cache of the full blocks only (block_manager.HybridPool); the ids
+    past it in a table sit behind the window, where the mask hides whatever the gather
+    reads, so they read block 0 instead. Once per step and cache size."""
+    if num_blocks not in memo:
+        memo[num_blocks] = ids.clamp(max=num_blocks - 1) \
+            if ids.numel() and int(ids.max()) >= num_blocks else ids
+    return memo[num_blocks]
 
 
 @dataclass
@@ -241,8 +255,9 @@ class CpuAttention(AttentionBackend):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 b: DecodeBucket, window: int = 0) -> torch.Tensor:
         kvh, nb = k_cache.shape[0], k_cache.shape[1]
-        torch.index_select(k_cache.view(kvh, nb, -1), 1, b.block_ids, out=b.k_out)
-        torch.index_select(v_cache.view(kvh, nb, -1), 1, b.block_ids, out=b.v_out)
+        ids = _bounded(b.block_ids, nb, b.bounded)
+        torch.index_select(k_cache.view(kvh, nb, -1), 1, ids, out=b.k_out)
+        torch.index_select(v_cache.view(kvh, nb, -1), 1, ids, out=b.v_out)
         # b.k, b.v: [n, kvh, L, d] strided views of the gathered blocks; SDPA takes them.
         mask = self._decode_mask(b, window)
         return self._sdpa(q.unsqueeze(2), b.k, b.v, mask).squeeze(2)  # [n, heads, d]
@@ -281,8 +296,9 @@ class CpuAttention(AttentionBackend):
         if p.block_ids is None:  # the whole context is this chunk: no cache read needed
             k, v = k_new.transpose(0, 1), v_new.transpose(0, 1)  # [kvh, T, d]
         else:
-            k = self._gather(k_cache, p.block_ids, "pk").view(kvh, -1, d)[:, : p.ctx_len]
-            v = self._gather(v_cache, p.block_ids, "pv").view(kvh, -1, d)[:, : p.ctx_len]
+            ids = _bounded(p.block_ids, k_cache.shape[1], p.bounded)
+            k = self._gather(k_cache, ids, "pk").view(kvh, -1, d)[:, : p.ctx_len]
+            v = self._gather(v_cache, ids, "pv").view(kvh, -1, d)[:, : p.ctx_len]
         mask = self._prefill_mask(p, window)
         o = self._sdpa(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask,
                        causal=mask is None)

@@ -147,9 +147,11 @@ class DecoderModel:
         return RopeSpec.from_hf_config(self.hf, layer_type)
 
     def norm_weight(self, w: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """A norm's weight; with an offset (Gemma's 1 + w) kept in fp32, which the norms
+        then multiply by before rounding to the activations' dtype, as HF does."""
         if not self.norm_offset:
             return w[name]
-        return (self.norm_offset + self._source[name].float()).to(self.plan.device, self.dtype)
+        return (self.norm_offset + self._source[name].float()).to(self.plan.device)
 
     def linear(self, w: dict[str, torch.Tensor], names: list[str],
                bias: torch.Tensor | None = None) -> Linear | Int8Linear:

@@ -39,7 +39,10 @@ struct StepModel {
   std::vector<StepLinear<T>> linears;      // 4 per layer (qkv, o, gate_up, down), then LM head
   // per layer: [kv_heads, blocks, block_size, d] in T, or q8 (kv_q8.h); the step's C
   std::vector<void*> k_caches, v_caches;
-  int64_t num_blocks, block_size;
+  int64_t block_size;
+  // per layer: its caches' blocks (windowed layers of a model with global layers too
+  // hold only the full blocks, engine/block_manager.py HybridPool)
+  std::vector<int64_t> num_blocks;
   std::vector<int64_t> windows;  // per layer, AttnShape::window (empty: every layer full)
   // per layer q's then k's RMSNorm weight [head_dim], applied to each head before rotary
   // (Qwen3); empty: none
@@ -88,14 +91,14 @@ template <typename T, typename C>
 inline auto step_kv(const StepModel<T>& m, int64_t l) {
   if constexpr (std::is_same_v<C, uint8_t>)
     return Q8KV{static_cast<uint8_t*>(m.k_caches[l]), static_cast<uint8_t*>(m.v_caches[l]),
-                {m.num_blocks, m.block_size, m.head_dim}};
+                {m.num_blocks[l], m.block_size, m.head_dim}};
   else
     return PlainKV<T>{static_cast<T*>(m.k_caches[l]), static_cast<T*>(m.v_caches[l]),
-                      m.num_blocks * m.block_size, m.head_dim};
+                      m.num_blocks[l] * m.block_size, m.head_dim};
 }
 
-// The attention work of a step: one shape and plan per distinct sliding window among the
-// layers, and which one each layer takes.
+// The attention work of a step: one shape and plan per distinct sliding window (and cache
+// size) among the layers, and which one each layer takes.
 struct StepPlans {
   std::vector<AttnShape> shapes;
   std::vector<AttnPlan> plans;
@@ -107,10 +110,13 @@ struct StepPlans {
     for (int64_t l = 0; l < m.layers; ++l) {
       const int64_t win = m.windows.empty() ? 0 : m.windows[l];
       size_t i = 0;
-      while (i < shapes.size() && shapes[i].window != win) ++i;
+      while (i < shapes.size() &&
+             (shapes[i].window != win || shapes[i].num_blocks != m.num_blocks[l]))
+        ++i;
       if (i == shapes.size()) {
         shapes.push_back(sh);
         shapes.back().window = win;
+        shapes.back().num_blocks = m.num_blocks[l];
         plans.emplace_back(seq_lens, qstart, num_seqs, shapes.back(), threads);
       }
       of_layer.push_back(i);
@@ -132,7 +138,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
   const int64_t H = m.heads, KVH = m.kv_heads, hidden = m.hidden, I = m.inter;
   const int64_t qkv_out = (H + 2 * KVH) * D;
   const int nt = at::get_num_threads();
-  AttnShape sh{H, KVH, H / KVH, D, m.block_size, m.num_blocks, table_width, qkv_out, H * D,
+  AttnShape sh{H, KVH, H / KVH, D, m.block_size, m.num_blocks[0], table_width, qkv_out, H * D,
                attn_scale};
   StepPlans attn(m, sh, seq_lens, qstart, num_seqs, nt);
   std::vector<T> h(rows * hidden), qkv(rows * qkv_out), att(rows * H * D), tmp(rows * hidden),

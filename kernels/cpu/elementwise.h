@@ -26,9 +26,11 @@ inline f32x16 vexp_any(f32x16 x) {
 }
 
 // out = weight * rmsnorm(x (+ residual)); with `add`, residual <- x + residual first (in
-// the activation dtype) and the norm reads it. Rows of `hidden` elements, contiguous.
-template <typename T>
-inline void rms_norm_row(T* out, const T* xr, T* res, const T* weight, int64_t hidden, float eps,
+// the activation dtype) and the norm reads it. Rows of `hidden` elements, contiguous. A
+// weight in T multiplies the norm rounded to T (HF's Llama norm); an fp32 weight (W =
+// float, Gemma's 1 + w) multiplies it before the one rounding (HF's Gemma norm).
+template <typename T, typename W = T>
+inline void rms_norm_row(T* out, const T* xr, T* res, const W* weight, int64_t hidden, float eps,
                          bool add) {
   const T* src = add ? res : xr;
   f32x16 ss = {};
@@ -42,13 +44,14 @@ inline void rms_norm_row(T* out, const T* xr, T* res, const T* weight, int64_t h
   }
   const float inv = 1.0f / std::sqrt(hsum(ss) / float(hidden) + eps);
   for (int64_t i = 0; i < hidden; i += kLanes) {
-    const f32x16 h = round_to(load16(src + i) * inv, xr);
+    f32x16 h = load16(src + i) * inv;
+    if constexpr (std::is_same_v<T, W>) h = round_to(h, xr);
     store16(out + i, load16(weight + i) * h);
   }
 }
 
-template <typename T>
-void rms_norm_rows(T* out, const T* x, T* residual, const T* weight, int64_t rows,
+template <typename T, typename W = T>
+void rms_norm_rows(T* out, const T* x, T* residual, const W* weight, int64_t rows,
                    int64_t hidden, float eps, bool add) {
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)

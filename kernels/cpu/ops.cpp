@@ -120,9 +120,14 @@ void rms_norm(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, const 
   check_rows(residual, hidden, "residual must be contiguous [rows, hidden]");
   check(out.size(0) == rows && residual.size(0) == rows && weight.is_contiguous() &&
             x.scalar_type() == out.scalar_type() && x.scalar_type() == residual.scalar_type() &&
-            x.scalar_type() == weight.scalar_type(),
-        "rms_norm: shapes or dtypes disagree");
-  if (x.scalar_type() == at::kFloat)
+            (x.scalar_type() == weight.scalar_type() || weight.scalar_type() == at::kFloat),
+        "rms_norm: shapes or dtypes disagree (the weight: x's dtype or float32)");
+  if (x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kFloat)
+    rms_norm_rows<c10::BFloat16, float>(
+        out.data_ptr<c10::BFloat16>(), x.const_data_ptr<c10::BFloat16>(),
+        residual.data_ptr<c10::BFloat16>(), weight.const_data_ptr<float>(), rows, hidden,
+        float(eps), add);
+  else if (x.scalar_type() == at::kFloat)
     rms_norm_rows<float>(out.data_ptr<float>(), x.const_data_ptr<float>(),
                          residual.data_ptr<float>(), weight.const_data_ptr<float>(), rows, hidden,
                          float(eps), add);
@@ -260,7 +265,6 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
   m.hidden = norms[0].numel();
   m.heads = num_heads;
   m.kv_heads = k0.size(0);
-  m.num_blocks = k0.size(1);
   m.head_dim = q8 ? linears[1].size(1) / num_heads : k0.size(3);
   m.block_size = q8 ? q8_block_size(k0, m.head_dim) : k0.size(2);
   const at::ScalarType act = norms[0].scalar_type();
@@ -304,11 +308,17 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
                          b ? b->const_data_ptr<T>() : nullptr, w.size(1), w.size(0)});
   }
   for (int64_t l = 0; l < layers; ++l) {
-    check(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() &&
-              k_caches[l].sizes() == k0.sizes() && v_caches[l].sizes() == k0.sizes() &&
+    // alike but for their blocks (a windowed layer may hold fewer: HybridPool)
+    const auto alike = [&](const at::Tensor& c) {
+      return c.dim() == k0.dim() && c.size(0) == k0.size(0) &&
+             c.sizes().slice(2) == k0.sizes().slice(2) && c.size(1) == k_caches[l].size(1);
+    };
+    check(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && alike(k_caches[l]) &&
+              alike(v_caches[l]) &&
               k_caches[l].scalar_type() == k0.scalar_type() &&
               v_caches[l].scalar_type() == k0.scalar_type() && (q8 || k0.scalar_type() == act),
           "decode_step: caches alike, in the activations' dtype or q8");
+    m.num_blocks.push_back(k_caches[l].size(1));
     m.k_caches.push_back(k_caches[l].data_ptr());
     m.v_caches.push_back(v_caches[l].data_ptr());
   }

@@ -69,6 +69,10 @@ def kv_args(g: Any) -> None:
     env_arg(g, "--num-kv-blocks", "NUM_KV_BLOCKS", type=int, default=None,
             default_text="as many as --kv-cache-memory-gb holds",
             help="size the KV block pool in blocks instead")
+    env_arg(g, "--num-full-kv-blocks", "NUM_FULL_KV_BLOCKS", type=int, default=0,
+            default_text="every sequence slot's window, at most half the pool",
+            help="models with sliding-window and global layers (Gemma 2/3): the blocks with "
+                 "room in every layer; the rest hold the global layers only (docs/models.md)")
     env_arg(g, "--no-prefix-caching", "PREFIX_CACHING", dest="prefix_caching", default=True,
             action="store_false",
             help="do not reuse the KV blocks of a prompt prefix seen before")
@@ -118,6 +122,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens,
         draft_model=a.draft_model, speculative_max_batch=a.speculative_max_batch,
         kv_cache_memory=_gib(a.kv_cache_memory_gb), num_kv_blocks=a.num_kv_blocks,
+        num_full_kv_blocks=a.num_full_kv_blocks,
         enable_prefix_caching=a.prefix_caching, kv_prefault=a.kv_prefault, kv_tier=a.kv_tier,
         redis_url=a.redis_url,
         kv_tier_memory=_gib(a.kv_tier_memory_gb), kv_tier_ttl=a.kv_tier_ttl,
