@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "runs on the same device")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no compiled CPU decode step")
-    p.add_argument("--quantization", default="none", choices=["none", "int8"],
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"],
                    help="Tidewire's weights (the HF baseline stays in --dtype)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="Tidewire's KV cache (int8: the CPU backend's one-byte cache)")
@@ -349,7 +349,8 @@ def main(a: argparse.Namespace) -> int:
         from bench.steps import plot
 
         plot(a.plot, sweep, breakdowns, f"Tidewire vs HF transformers, {a.model} "
-             f"({llm.engine.dtype_name}{', int8' if a.quantization == 'int8' else ''}"
+             f"({llm.engine.dtype_name}"
+             f"{'' if a.quantization == 'none' else ', ' + a.quantization}"
              f"{', int8 KV' if a.kv_cache_dtype == 'int8' else ''})")
         print(f"wrote {a.plot}")
     if a.json:

@@ -53,7 +53,7 @@ def load_model(config: EngineConfig, progress: LoadProgress) -> LoadedModel:
     platform = Platform.choose(config)
     platform.apply()
     with progress.phase("model files (a GGUF is converted once)"):
-        model_dir: Path = resolve_model(config.model)
+        model_dir: Path = resolve_model(config.model, native_gguf=config.quantization == "gguf")
         arch = ModelArch.from_dir(model_dir)
     with progress.phase("tokenizer"):
         tokenizer: Any = load_tokenizer(model_dir)
@@ -152,7 +152,7 @@ def kv_blocks(config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
 
 def quant_cache_path(config: EngineConfig, model_dir: Path) -> Path | None:
     """Where the model's int8 weights are kept once quantized (None: not quantized)."""
-    if config.quantization == "none":
+    if config.quantization in ("none", "gguf"):
         return None
     key = weights_checksum(model_dir)[:16]
     return cache_root() / "quantized" / f"{key}-{config.quantization}.safetensors"

@@ -20,13 +20,13 @@ from engine.attention.base import PagedMetadata
 from engine.models.decoder import DecoderModel
 from engine.models.layers import Int8Linear, Linear
 
-Matmul = Linear | Int8Linear
 
-
-def _weight(lin: Matmul) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _weight(lin: object) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The plain (or int8) weight and scale (None: none) the compiled step reads."""
     if isinstance(lin, Int8Linear):
         return lin.q, lin.scale
+    # Platform.plan chooses this step only for weights it can read (no GGUF blocks)
+    assert isinstance(lin, Linear), f"the compiled step cannot read a {type(lin).__name__}"
     plain = lin.plain_weight
     # Platform.plan chooses this step only for weights it can read
     assert plain is not None, "a packed weight with no plain copy"
@@ -72,6 +72,7 @@ class CompiledDecodeStep:
         """Logits [n, vocab] (the model's dtype) of n query tokens: decodes (one token
         each) and short chunks (meta.query_start gives each sequence its rows)."""
         m, a = self.model, self.model.arch
+        assert isinstance(m.embed, torch.Tensor)  # (no GGUF blocks: Platform.plan)
         x = F.embedding(input_ids, m.embed)  # becomes the residual stream (overwritten)
         logits = torch.empty((x.shape[0], m.lm_head.out_features), dtype=x.dtype)
         torch.ops.tidewire.decode_step(

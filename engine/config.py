@@ -13,7 +13,8 @@ from engine.registry import DEFAULT_MODEL
 
 # the names `EngineConfig.dtype` takes besides "auto" (platform.DTYPES maps them to torch)
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
-QUANTIZATIONS = ("none", "int8")  # engine/quant.py
+# engine/quant.py (int8); gguf: a GGUF file's weights as they are (engine/gguf_weights.py)
+QUANTIZATIONS = ("none", "int8", "gguf")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the activations' dtype; int8: the CPU's q8 cache
 
 

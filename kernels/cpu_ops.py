@@ -172,6 +172,35 @@ def linear_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     return out
 
 
+# GGUF block types the compiled kernels read as they are (ggml's type ids): values and
+# bytes per block (kernels/cpu/gguf_quant.h)
+GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+               14: (256, 210)}
+
+
+def gguf_linear_small(x: torch.Tensor, weight: torch.Tensor, qtype: int,
+                      bias: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for 1 to 8 rows of x [rows, in] and W in a GGUF block type
+    (`qtype`, a key of GGUF_BLOCKS) as the file stores it: uint8 [out, row bytes]. Never
+    dequantizes W: each group of values sharing a scale is summed against x in fp32 and
+    scaled once. `out`: where to write ([rows, out], unit column stride; a column slice
+    of a wider tensor will do)."""
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    torch.ops.tidewire.gguf_linear_small(out, x, weight, qtype, bias)
+    return out
+
+
+def gguf_dequant(weight: torch.Tensor, qtype: int, in_features: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The values of GGUF block-quantized rows (uint8 [n, row bytes]) as [n, in] in
+    `dtype` (fp32 or bf16)."""
+    out = torch.empty((weight.shape[0], in_features), dtype=dtype)
+    torch.ops.tidewire.gguf_dequant(out, weight, qtype)
+    return out
+
+
 if __name__ == "__main__":  # `python -m kernels.cpu_ops`: build now (make install does)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"Tidewire CPU kernels: {'ready' if available() else 'unavailable (torch fallback)'}"

@@ -143,3 +143,65 @@ if __name__ == "__main__":  # `make install`: fetch the converter once, before t
         print(converter_dir())
     except ConverterUnavailable as e:  # the tests skip with this reason
         print(f"llama.cpp's converter is unavailable ({e}); the GGUF family tests will skip")
+
+
+# -- block-quantized files -------------------------------------------------------------------
+
+# where each ggml block type (kernels.cpu_ops.GGUF_BLOCKS) keeps its fp16 scales
+_HALVES = {2: (0, 1), 3: (0, 2), 8: (0, 1), 12: (0, 2), 13: (0, 2), 14: (208, 1)}
+
+
+def random_blocks(qtype: int, rows: int, cols: int, seed: int, scale: float = 0.02):
+    """uint8 [rows, row bytes]: random blocks of a GGUF type (any bytes with finite fp16
+    scales are a valid block), scales uniform in [0, `scale`) (a K type's dmin: half)."""
+    import numpy as np
+
+    from kernels.cpu_ops import GGUF_BLOCKS
+
+    values, nbytes = GGUF_BLOCKS[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // values, nbytes), dtype=np.uint8)
+    off, count = _HALVES[qtype]
+    halves = (rng.random((rows, cols // values, count)) * scale).astype(np.float16)
+    if count == 2 and qtype != 3:  # Q4_K/Q5_K: d, dmin
+        halves[..., 1] *= 0.5
+    blocks[..., off : off + 2 * count] = halves.view(np.uint8).reshape(rows, cols // values,
+                                                                        2 * count)
+    return blocks.reshape(rows, -1)
+
+
+def requantize(src: Path, dst: Path, types: dict[str, int], seed: int = 0,
+               scale: float = 0.02) -> Path:
+    """A copy of the GGUF `src` (metadata and every tensor) in which each 2-D tensor whose
+    name contains a key of `types` becomes random blocks of that ggml type: a file in
+    the block types llama.cpp's quantizer writes, made without building it. (The weights
+    are random, not a quantization of the originals: tests compare against the file's
+    own dequantized values.)"""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    from kernels.cpu_ops import GGUF_BLOCKS
+
+    reader = GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(dst, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+    for i, t in enumerate(reader.tensors):
+        shape = [int(d) for d in reversed(t.shape.tolist())]
+        qtype = next((q for k, q in types.items() if k in t.name), None)
+        if qtype is not None and len(shape) == 2 and shape[1] % GGUF_BLOCKS[qtype][0] == 0:
+            data = random_blocks(qtype, shape[0], shape[1], seed + i, scale)
+            writer.add_tensor(t.name, data, raw_shape=data.shape,
+                              raw_dtype=GGMLQuantizationType(qtype))
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

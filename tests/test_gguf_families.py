@@ -164,6 +164,70 @@ def test_gguf_greedy_matches_hf(name: str, outtype: str, gguf_files, family_mode
         _assert_quantized(load_weights(family_models(name)), load_weights(converted))
 
 
+# -- weights run as the file stores them (--quantization gguf) ------------------------------
+
+NATIVE = [("llama", "q8_0"), ("qwen3", "q8_0"), ("phi3-longrope", "q8_0")]
+
+
+def _native_run(path: Path, vocab: int) -> tuple[list[list[int]], list[list[int]], LLM]:
+    """Greedy tokens of the file run as it is, and of the same prompts through the loader's
+    dequantized copy; 12 prompts (decodes of up to 8 rows stream the blocks, more rows and
+    prefills go through dequantized tiles)."""
+    prompts = random_prompts(12, 3, 40, vocab, seed=9)
+    llm = LLM(model=str(path), dtype="float32", quantization="gguf")
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    return got, hf_greedy(resolve_model(str(path)), prompts, GREEDY.max_tokens), llm
+
+
+@pytest.mark.parametrize("name,outtype", NATIVE, ids=[f"{c}-{t}" for c, t in NATIVE])
+def test_gguf_weights_as_stored_match_hf_on_their_values(name: str, outtype: str, gguf_files,
+                                                         family_models, loaded_dir) -> None:
+    """`--quantization gguf`: the linears read the file's Q8_0 blocks as they are (no
+    dequantized copy of the model), and greedy output equals HF generate on the weights
+    as dequantized."""
+    from engine.models.layers import GGUFLinear
+
+    path = gguf_files(name, outtype)
+    loaded_dir(resolve_model(str(path)))
+    loaded_dir(resolve_model(str(path), native_gguf=True))
+    vocab = json.loads((family_models(name) / "config.json").read_text())["vocab_size"]
+    got, want, llm = _native_run(path, vocab)
+    assert got == want
+    layer = llm.engine.runner.model.layers[0]
+    assert isinstance(layer.qkv, GGUFLinear) and isinstance(layer.mlp.down, GGUFLinear)
+    assert llm.engine.runner.compiled_step is None  # (the eager path runs them, for now)
+
+
+def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_path: Path,
+                                                          loaded_dir) -> None:
+    """A Llama file in the block types of llama.cpp's Q4_K_M and neighbours (random blocks
+    in place of a converter-written f32 file's matrices): q Q4_K, k Q5_K, v Q6_K, o Q4_0,
+    gate Q4_K with up Q6_K (one fused projection of two types), down Q5_K, the tied
+    embedding Q6_K. The engine reads them as they are and matches HF on their values."""
+    from engine.models.layers import GGUFEmbedding
+
+    hf = make_tiny_model(tmp_path / "llama256", "llama", 0, hidden_size=256,
+                         intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                         tie_word_embeddings=True)
+    gguf_tools.spm_tokenizer(hf)
+    f32 = gguf_tools.convert(hf, tmp_path / "llama256-f32.gguf", "f32", converter)
+    types = {"attn_q": 12, "attn_k": 13, "attn_v": 14, "attn_output": 2, "ffn_gate": 12,
+             "ffn_up": 14, "ffn_down": 13, "token_embd": 14}
+    path = gguf_tools.requantize(f32, tmp_path / "llama256-kq.gguf", types, scale=2e-3)
+    loaded_dir(resolve_model(str(path)))
+    loaded_dir(resolve_model(str(path), native_gguf=True))
+    got, want, llm = _native_run(path, 320)
+    assert got == want
+    model = llm.engine.runner.model
+    assert isinstance(model.embed, GGUFEmbedding)
+    assert [p.qtype for p in model.layers[0].mlp.gate_up.parts] == [12, 14]
+
+
+def test_gguf_as_stored_refuses_what_it_cannot_run(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not one"):
+        resolve_model(str(tmp_path), native_gguf=True)
+
+
 def _assert_quantized(original: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> None:
     """q8_0 weights: the matrices changed, each value by about half a quantization step
     of its 32-value block at most (the norms stay f32)."""

@@ -191,8 +191,18 @@ def test_int8_quantization_needs_the_compiled_kernels_and_rows_of_16() -> None:
                  (platform(), arch(head_dim=48, heads=4))]:
         with pytest.raises(ValueError, match="int8 quantization needs the cpu attention"):
             p.plan(a, quantization="int8")
-    with pytest.raises(ValueError, match="quantization must be none or int8"):
+    with pytest.raises(ValueError, match="quantization must be none, int8 or gguf"):
         platform().plan(arch(), quantization="int4")
+
+
+def test_gguf_weights_run_eagerly_on_the_compiled_cpu_kernels_only() -> None:
+    """A GGUF's block types: the CPU backend with its kernels, on the eager path (the
+    compiled decode step reads plain and int8 weights only)."""
+    plan = platform().plan(arch(), quantization="gguf")
+    assert plan.quantization == "gguf" and plan.fast_path is FastPath.NONE
+    for p in (platform(kernels=lambda: False), platform("triton-interpret", kernels=never)):
+        with pytest.raises(ValueError, match="gguf quantization .* needs the cpu attention"):
+            p.plan(arch(), quantization="gguf")
 
 
 def test_the_cpu_backend_is_built_as_planned() -> None:

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionBackend
 from engine.layer_ops import Rot, make_ops
 from engine.models.arch import ModelArch
-from engine.models.layers import DenseMLP, Int8Linear, LayerWeights, Linear, activation_of
+from engine.gguf_weights import QuantWeight
+from engine.models.layers import (DenseMLP, GGUFEmbedding, GGUFLinear, Int8Linear, LayerWeights,
+                                  Linear, activation_of)
 from engine.models.rotary import RopeSpec
 from engine.platform import ModelPlan
 from engine.quant import linear_weight_names, quantized
@@ -105,11 +107,14 @@ class DecoderModel:
             self._int8 = quantized(src, linear_weight_names(src), quant_cache)
         self.ops = make_ops(plan.ops)
         self._source = weights  # the checkpoint's own dtype, for norm offsets
-        w = {k: v.to(plan.device, dtype) for k, v in weights.items()}
-        self.embed = w[EMBED]
+        # (a GGUF's block-quantized matrices stay as they are: QuantWeight)
+        w: dict[str, Any] = {k: v if isinstance(v, QuantWeight) else v.to(plan.device, dtype)
+                             for k, v in weights.items()}
+        self.embed: torch.Tensor | GGUFEmbedding = \
+            GGUFEmbedding(w[EMBED], dtype) if isinstance(w[EMBED], QuantWeight) else w[EMBED]
         self.norm = self.norm_weight(w, "model.norm.weight")
         if tied:
-            w["lm_head.weight"] = self.embed
+            w["lm_head.weight"] = w[EMBED]
         self.lm_head = self.linear(w, ["lm_head.weight"])
         self.layers = [self.layer(w, i) for i in range(arch.num_layers)]
         self._int8 = {}  # the Int8Linears hold what they need
@@ -153,9 +158,11 @@ class DecoderModel:
             return w[name]
         return (self.norm_offset + self._source[name].float()).to(self.plan.device)
 
-    def linear(self, w: dict[str, torch.Tensor], names: list[str],
-               bias: torch.Tensor | None = None) -> Linear | Int8Linear:
+    def linear(self, w: dict[str, Any], names: list[str],
+               bias: torch.Tensor | None = None) -> Linear | Int8Linear | GGUFLinear:
         """One matmul over the named weights stacked by rows (q/k/v, gate/up)."""
+        if any(isinstance(w[n], QuantWeight) for n in names):
+            return GGUFLinear([w[n] for n in names], bias, self.dtype)
         if self._int8:
             parts = [self._int8[n] for n in names]
             if len(parts) == 1:
@@ -228,7 +235,8 @@ class DecoderModel:
         the model's dtype (the caller takes an argmax as they are, or upcasts to sample)."""
         eps = self.arch.rms_norm_eps
         ops = self.ops
-        x = F.embedding(input_ids, self.embed)
+        x = (F.embedding(input_ids, self.embed) if isinstance(self.embed, torch.Tensor)
+             else self.embed(input_ids))
         if self.embed_multiplier is not None:
             x = x * self.embed_multiplier
         rots: dict[str, Rot]

@@ -95,6 +95,84 @@ class Int8Linear:
         return self.dense(x)
 
 
+class GGUFLinear:
+    """y = x W^T (+ b) with W in a GGUF file's own block types (engine/gguf_weights.py),
+    given as parts stacked by rows (q/k/v, gate/up: a Q4_K_M file stores some of them in
+    Q4_K, others in Q6_K), each a QuantWeight or a plain matrix.
+
+    Up to `small_rows` rows (decode) stream each part's blocks once through
+    cpu_ops.gguf_linear_small, which never dequantizes them. Bigger batches dequantize a
+    part `tile_bytes` of the activations' dtype at a time into one reused buffer and run
+    the dense GEMM on it: the weights stay 4-8 bits in memory, the GEMM sees its usual
+    operands."""
+
+    small_rows = 8
+    tile_bytes = 4 << 20
+
+    def __init__(self, parts: list[Any], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        from engine.gguf_weights import QuantWeight
+
+        merged: list[Any] = []
+        for p in parts:  # rows of one block type concatenate into one matrix
+            last = merged[-1] if merged else None
+            if isinstance(p, QuantWeight) and isinstance(last, QuantWeight) and \
+                    last.qtype == p.qtype:
+                merged[-1] = QuantWeight(p.qtype, torch.cat([last.data, p.data]), p.cols)
+            else:
+                merged.append(p if isinstance(p, QuantWeight) else p.to(dtype).contiguous())
+        self.parts = merged
+        self.bias, self.dtype = bias, dtype
+        self.in_features = int(parts[0].shape[1])
+        self.out_features = sum(int(p.shape[0]) for p in parts)
+        self._tile: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.gguf_weights import QuantWeight
+
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
+        small = _few_rows(x, self.small_rows)
+        o = 0
+        for p in self.parts:
+            rows = int(p.shape[0])
+            dest = out[:, o : o + rows]
+            if not isinstance(p, QuantWeight):
+                dest.copy_(F.linear(x, p))
+            elif small:
+                cpu_ops.gguf_linear_small(x, p.data, p.qtype, None, out=dest)
+            else:
+                self._dense(x, p, dest)
+            o += rows
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+    def _dense(self, x: torch.Tensor, p: Any, dest: torch.Tensor) -> None:
+        """dest = x W^T through dequantized tiles of W's rows."""
+        step = max(16, self.tile_bytes // (p.cols * x.element_size()))
+        for r0 in range(0, p.rows, step):
+            r1 = min(p.rows, r0 + step)
+            n = (r1 - r0) * p.cols
+            if self._tile is None or self._tile.numel() < n or self._tile.dtype != x.dtype:
+                self._tile = torch.empty(max(n, step * p.cols), dtype=x.dtype)
+            tile = self._tile[:n].view(r1 - r0, p.cols)
+            torch.ops.tidewire.gguf_dequant(tile, p.data[r0:r1], p.qtype)
+            dest[:, r0:r1] = F.linear(x, tile)
+
+
+class GGUFEmbedding:
+    """An embedding table in a GGUF block type: each step dequantizes only the rows it
+    looks up."""
+
+    def __init__(self, weight: Any, dtype: torch.dtype) -> None:  # a QuantWeight
+        self.weight, self.dtype = weight, dtype
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.weight.data.index_select(0, ids.reshape(-1))
+        out = cpu_ops.gguf_dequant(rows, self.weight.qtype, self.weight.cols, self.dtype)
+        return out.view(*ids.shape, self.weight.cols)
+
+
 _PACKED_LINEAR = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
 
 
@@ -112,7 +190,7 @@ def _mkldnn_pack(w: torch.Tensor) -> torch.Tensor | None:
     return packed if torch.equal(got, F.linear(probe, w)) else None
 
 
-Matmul = Linear | Int8Linear
+Matmul = Linear | Int8Linear | GGUFLinear
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:

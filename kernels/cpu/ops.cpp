@@ -11,6 +11,7 @@
 #include "attention.h"
 #include "decode_step.h"
 #include "elementwise.h"
+#include "gguf_quant.h"
 #include "linear.h"
 
 namespace tw {
@@ -243,6 +244,59 @@ void linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
         out, x, w, sp, bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
   else
     check(false, "dtype must be float32 or bfloat16");
+}
+
+// y = x W^T (+ bias) for 1-8 rows of x and a GGUF block-quantized W (gguf_quant.h);
+// `out` may be a column slice of a wider output (rows of stride out.stride(0)).
+void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias) {
+  check(qtype_known(qtype), "gguf_linear_small: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  const QType t = QType(qtype);
+  const QTypeInfo info = qtype_info(t);
+  const int64_t rows = x.size(0), in = x.size(1), o = w.size(0);
+  check(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 2 && w.is_contiguous() &&
+            w.scalar_type() == at::kByte && in % info.block_values == 0 &&
+            w.size(1) == in / info.block_values * info.block_bytes,
+        "gguf_linear_small: x [rows, in] (in a multiple of the block), w uint8 [out, row bytes]");
+  check(rows >= 1 && rows <= kMaxLinearRows, "gguf_linear_small takes 1 to 8 rows");
+  check(out.dim() == 2 && out.size(0) == rows && out.size(1) == o && out.stride(1) == 1 &&
+            out.scalar_type() == x.scalar_type(),
+        "gguf_linear_small: out [rows, out] in x's dtype, unit column stride");
+  if (bias.has_value())
+    check(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == o,
+          "gguf_linear_small: bias must be [out] in x's dtype");
+  std::vector<float> xf(rows * in);
+  auto run = [&](auto* y, const auto* xp, const auto* bp) {
+    to_fp32(xf.data(), xp, x.stride(0), rows, in);
+    qlinear_small_any(y, out.stride(0), xf.data(), int(rows), t, w.const_data_ptr<uint8_t>(),
+                      w.size(1), in, o, bp);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(out.data_ptr<float>(), x.const_data_ptr<float>(),
+        bias ? bias->const_data_ptr<float>() : nullptr);
+  else if (x.scalar_type() == at::kBFloat16)
+    run(out.data_ptr<c10::BFloat16>(), x.const_data_ptr<c10::BFloat16>(),
+        bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
+  else
+    check(false, "dtype must be float32 or bfloat16");
+}
+
+// The values of GGUF block-quantized rows: w uint8 [n, row bytes] -> out [n, in].
+void gguf_dequant(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
+  check(qtype_known(qtype), "gguf_dequant: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  const QType t = QType(qtype);
+  const QTypeInfo info = qtype_info(t);
+  const int64_t n = w.size(0), in = out.size(1);
+  check(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte && out.dim() == 2 &&
+            out.is_contiguous() && out.size(0) == n && in % info.block_values == 0 &&
+            w.size(1) == in / info.block_values * info.block_bytes,
+        "gguf_dequant: w uint8 [n, row bytes], out contiguous [n, in]");
+  if (out.scalar_type() == at::kFloat)
+    dequant_rows(t, w.const_data_ptr<uint8_t>(), w.size(1), n, in, out.data_ptr<float>());
+  else if (out.scalar_type() == at::kBFloat16)
+    dequant_rows(t, w.const_data_ptr<uint8_t>(), w.size(1), n, in, out.data_ptr<c10::BFloat16>());
+  else
+    check(false, "gguf_dequant: out must be float32 or bfloat16");
 }
 
 template <typename T>
@@ -490,6 +544,9 @@ TORCH_LIBRARY(tidewire, m) {
         "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, "
         "int num_decodes=-1, int window=0) -> ()",
         &tw::paged_attention);
+  m.def("gguf_linear_small(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
+        &tw::gguf_linear_small);
+  m.def("gguf_dequant(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_dequant);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
         "bool add) -> ()", &tw::rms_norm);
   m.def("rope_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "

@@ -1,0 +1,139 @@
+"""A GGUF file's weights as the file stores them (`--quantization gguf`).
+
+The file is memory-mapped; each 2-D tensor in a block type the compiled kernels read
+(kernels/cpu/gguf_quant.h: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) stays a view of its bytes
+(QuantWeight), never dequantized as a whole: the linears multiply by it as it is
+(engine/models/layers.py GGUFLinear), the embedding dequantizes only the rows a step
+looks up. Tensors in other types (the norms' F32, F16, rarer quantizations) are read
+into torch tensors one at a time. So a model costs its file's size in memory (shared
+with the page cache), not a dequantized copy.
+
+Names map to HF's through engine/gguf_reader.py's tables (the families it reads: Llama,
+Qwen2, Qwen3, Phi-3, SmolLM3); the rows of q and k of the Llama-family files, which
+llama.cpp's converter interleaves, are put back in HF's order (a row permutation, so
+block rows move as they are).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import gguf_reader
+
+SOURCE_FILE = "tidewire_gguf.txt"  # in a native model directory: the GGUF's path
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A matrix [rows, cols] in a GGUF block type: `data` uint8 [rows, row bytes]."""
+
+    qtype: int  # ggml's type id (kernels.cpu_ops.GGUF_BLOCKS)
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from kernels import cpu_ops
+
+        return cpu_ops.gguf_dequant(self.data, self.qtype, self.cols, dtype)
+
+    def take_rows(self, index: torch.Tensor) -> QuantWeight:
+        return QuantWeight(self.qtype, self.data.index_select(0, index), self.cols)
+
+
+def kernel_types() -> frozenset[int]:
+    from kernels import cpu_ops
+
+    return frozenset(cpu_ops.GGUF_BLOCKS)
+
+
+def native_supported(path: Path) -> str | None:
+    """None if `path` can run with its weights as they are, else why not."""
+    reader = gguf_reader._reader(path)
+    arch = gguf_reader._architecture(reader)
+    if arch not in gguf_reader.MODEL_TYPES or arch == "qwen3moe":
+        return (f"architecture {arch!r} (GGUF weights run as they are for "
+                f"{sorted(a for a in gguf_reader.MODEL_TYPES if a != 'qwen3moe')})")
+    return None
+
+
+def write_config(path: Path, out: Path) -> None:
+    """config.json, the tokenizer and a pointer to `path`, without any weights."""
+    import json
+
+    reader = gguf_reader._reader(path)
+    arch = gguf_reader._architecture(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = gguf_reader.hf_config(arch, gguf_reader._metadata(reader), tensors)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    gguf_reader._tokenizer(path).save_pretrained(out)
+    (out / SOURCE_FILE).write_text(str(path.resolve()) + "\n")
+
+
+def source_of(model_dir: Path) -> Path | None:
+    """The GGUF a native model directory stands for (None: an ordinary directory)."""
+    f = model_dir / SOURCE_FILE
+    return Path(f.read_text().strip()) if f.exists() else None
+
+
+def load(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor | QuantWeight]:
+    """The file's tensors under HF names: QuantWeights for the kernels' block types (2-D),
+    torch tensors for the rest."""
+    reader = gguf_reader._reader(path)
+    arch = gguf_reader._architecture(reader)
+    kinds = kernel_types()
+    out: dict[str, Any] = {}
+    for t in reader.tensors:
+        name = t.name
+        if name in (gguf_reader.ROPE_FREQS, *gguf_reader.LONGROPE):
+            continue  # in config.json as rope_parameters
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        w: torch.Tensor | QuantWeight
+        if int(t.tensor_type) in kinds and len(shape) == 2:
+            with warnings.catch_warnings():  # a read-only map: nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(np.asarray(t.data).reshape(shape[0], -1))
+            w = QuantWeight(int(t.tensor_type), data, shape[1])
+        else:
+            w = gguf_reader._dequantize(t)
+        if arch in gguf_reader._PERMUTED and name.startswith("blk.") and (
+                ".attn_q." in name or ".attn_k." in name):
+            w = _unpermute(w, num_heads if ".attn_q." in name else num_kv_heads)
+        if isinstance(w, QuantWeight):
+            out.update(_named(arch, name, w))
+        else:
+            out.update(gguf_reader._hf_names(arch, name, w))
+    return out
+
+
+def _named(arch: str, name: str, w: QuantWeight) -> dict[str, QuantWeight]:
+    """gguf_reader._hf_names for a QuantWeight (a 2-D tensor: one name)."""
+    probe = gguf_reader._hf_names(arch, name, torch.empty(0))
+    (hf_name,) = probe
+    return {hf_name: w}
+
+
+def _unpermute(w: torch.Tensor | QuantWeight, n_heads: int) -> torch.Tensor | QuantWeight:
+    if isinstance(w, torch.Tensor):
+        return gguf_reader._unpermute(w, n_heads)
+    rows = w.rows
+    order = torch.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).transpose(1, 2)
+    return w.take_rows(order.reshape(-1))

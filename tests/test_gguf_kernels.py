@@ -1,0 +1,70 @@
+"""The compiled kernels for GGUF block-quantized weights (kernels/cpu/gguf_quant.h)
+against the `gguf` package's own dequantizer: x W^T for 1-8 rows equals x times the
+dequantized W in fp32 to rounding, for every block type, on random blocks (any bytes
+with finite scales are valid blocks) and odd output sizes; dequantized rows equal the
+package's bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import cpu_ops
+from tests.gguf_tools import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no compiled CPU kernels")
+
+NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def dequantized(blocks: np.ndarray, qtype: int, cols: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType, quants
+
+    return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType(qtype))
+                            .reshape(blocks.shape[0], cols).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", sorted(NAMES), ids=lambda t: NAMES[t])
+def test_gguf_rows_dequantize_as_the_gguf_package_does(qtype: int) -> None:
+    cols = 512
+    blocks = random_blocks(qtype, 9, cols, seed=qtype)
+    want = dequantized(blocks, qtype, cols)
+    w = torch.from_numpy(blocks)
+    assert torch.equal(cpu_ops.gguf_dequant(w, qtype, cols, torch.float32), want)
+    assert torch.equal(cpu_ops.gguf_dequant(w, qtype, cols, torch.bfloat16),
+                       want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", sorted(NAMES), ids=lambda t: NAMES[t])
+def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int,
+                                                         dtype: torch.dtype) -> None:
+    cols, out = 768, 37  # 3 K-blocks a row; an output count no vector width divides
+    blocks = random_blocks(qtype, out, cols, seed=100 + qtype)
+    w = torch.from_numpy(blocks)
+    ref = dequantized(blocks, qtype, cols)
+    bias = torch.randn(out).to(dtype)
+    g = torch.Generator().manual_seed(qtype)
+    for rows in range(1, 9):
+        x = torch.randn(rows, cols, generator=g).to(dtype)
+        want = x.float() @ ref.T + bias.float()
+        got = cpu_ops.gguf_linear_small(x, w, qtype, bias)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(),
+                                   rtol=tol)
+    # into a column slice of a wider output
+    x = torch.randn(3, cols, generator=g).to(dtype)
+    wide = torch.zeros(3, out + 10, dtype=dtype)
+    cpu_ops.gguf_linear_small(x, w, qtype, None, out=wide[:, 5 : 5 + out])
+    assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
+    torch.testing.assert_close(wide[:, 5 : 5 + out].float(), x.float() @ ref.T,
+                               atol=2e-2 * (x.float() @ ref.T).abs().max().item(), rtol=2e-2)
+
+
+def test_gguf_kernels_refuse_what_they_cannot_read() -> None:
+    w = torch.from_numpy(random_blocks(12, 4, 256, seed=1))
+    with pytest.raises(RuntimeError, match="type must be"):
+        cpu_ops.gguf_linear_small(torch.randn(1, 256), w, 6)  # Q5_0
+    with pytest.raises(RuntimeError, match="in a multiple of the block"):
+        cpu_ops.gguf_linear_small(torch.randn(1, 128), w, 12)
