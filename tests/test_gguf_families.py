@@ -317,3 +317,39 @@ def test_rope_freqs_that_are_not_llama3_are_refused() -> None:
     with pytest.raises(gguf_reader.GGUFReadError, match="not a llama3 rope scaling"):
         gguf_reader.llama3_rope(factors, 500000.0, 128)
     assert gguf_reader.llama3_rope(np.ones(64), 500000.0, 128) == {}
+
+
+_LOAD_RSS = """
+import json, resource, sys
+import gguf, tokenizers, transformers, torch  # (imports are not the load)
+from kernels import cpu_ops
+cpu_ops.available()
+from engine import LLM, SamplingParams
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+llm = LLM(model=sys.argv[1], dtype="bfloat16", quantization=sys.argv[2], num_kv_blocks=32,
+          kv_tier="none")
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"grew_mib": (after - before) / 1024}))
+"""
+
+
+def test_a_gguf_as_stored_loads_without_a_dequantized_copy() -> None:
+    """`--quantization gguf` on the shipped SmolLM2 file (98 MB of Q4_1 and Q8_0): loading
+    it and decoding grows the process by less than the file plus 400 MB (the bound the
+    loader keeps for any file: its weights are the file's pages, read as they are), where
+    the dequantized path holds a bf16 copy of the model (270 MB) on top of reading its
+    fp32 one."""
+    import subprocess
+    import sys
+
+    from engine.registry import REGISTRY, gguf_path
+
+    size_mib = gguf_path(REGISTRY["smollm2-135m"]).stat().st_size / (1 << 20)
+    grew = {}
+    for q in ("gguf", "none"):
+        out = subprocess.run([sys.executable, "-c", _LOAD_RSS, "smollm2-135m", q],
+                             capture_output=True, text=True, timeout=600, check=True)
+        grew[q] = json.loads(out.stdout.strip().splitlines()[-1])["grew_mib"]
+    assert grew["gguf"] < size_mib + 400, grew
+    assert grew["none"] > grew["gguf"] + 200, grew

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -70,7 +71,13 @@ inline u8x16 load_u8x16(const uint8_t* p) {
 }
 
 inline f32x16 u8_to_f32(u8x16 v) {
+#if defined(__AVX512F__)
+  __m128i b;
+  std::memcpy(&b, &v, sizeof(b));
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+#else
   return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16);
+#endif
 }
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block's 12 scale bytes.
@@ -84,17 +91,24 @@ inline void k4_scale_min(int j, const uint8_t* s, int& sc, int& m) {
   }
 }
 
-// Sums of each x row over every 16 values (the groups' offsets multiply them).
+// Sums of each x row over every 16 values, and over every 32 (the groups' offsets
+// multiply them).
 struct XSums {
-  std::vector<float> s;  // [rows, in / 16]
+  std::vector<float> s, s32;  // [rows, in / 16], [rows, in / 32]
   int64_t n = 0;
   void fill(const float* xf, int rows, int64_t in) {
     n = in / kLanes;
     s.resize(rows * n);
+    s32.resize(rows * (n / 2));
     for (int m = 0; m < rows; ++m)
       for (int64_t g = 0; g < n; ++g) s[m * n + g] = hsum(load16(xf + m * in + g * kLanes));
+    for (int m = 0; m < rows; ++m)
+      for (int64_t g = 0; g < n / 2; ++g)
+        s32[m * (n / 2) + g] = s[m * n + 2 * g] + s[m * n + 2 * g + 1];
   }
   float at(int m, int64_t g) const { return s[m * n + g]; }
+  // the sums over values [32 g, 32 g + 32) of row m, and the ones after it
+  const float* at32(int m, int64_t g) const { return s32.data() + m * (n / 2) + g; }
 };
 
 // One weight row (`w`, its blocks in order) against M rows of x in fp32 (`xf`, stride
@@ -108,11 +122,8 @@ inline void qdot_row(QType t, const uint8_t* w, const float* xf, int64_t in, con
     case QType::Q8_0:
       for (int64_t b = 0; b < in / 32; ++b, w += 34) {
         const float d = half_at(w);
-        i8x16 q0, q1;
-        std::memcpy(&q0, w + 2, 16);
-        std::memcpy(&q1, w + 18, 16);
-        const f32x16 v0 = __builtin_convertvector(__builtin_convertvector(q0, i32x16), f32x16);
-        const f32x16 v1 = __builtin_convertvector(__builtin_convertvector(q1, i32x16), f32x16);
+        const f32x16 v0 = load16(reinterpret_cast<const int8_t*>(w + 2)),
+                     v1 = load16(reinterpret_cast<const int8_t*>(w + 18));
         for (int m = 0; m < M; ++m) {
           const float* x = xf + m * in + b * 32;
           acc[m] += d * (v0 * load16(x) + v1 * load16(x + 16));
@@ -213,6 +224,162 @@ inline void qdot_row(QType t, const uint8_t* w, const float* xf, int64_t in, con
   for (int m = 0; m < M; ++m) sums[m] = hsum(acc[m]) + off[m];
 }
 
+#if defined(__AVX512BF16__)
+// bf16 activations on a CPU with AVX512-BF16: the quantized values (small integers, exact
+// in bf16) are looked up as bf16 from their 4-6 bit codes (vpermw on a table) and multiplied
+// with x in pairs by vdpbf16ps: products exact, sums in fp32, as above, in about half the
+// instructions of widening each code to fp32.
+struct BF16Tables {
+  __m512i plain;      // code q -> bf16(q), q < 32
+  __m512i minus8;     // q -> bf16(q - 8) (Q4_0)
+  __m512i lo32, hi32;  // q -> bf16(q - 32), q < 64 (Q6_K: two halves of the table)
+  BF16Tables() {
+    uint16_t t[4][32];
+    for (int i = 0; i < 32; ++i) {
+      t[0][i] = c10::BFloat16(float(i)).x;
+      t[1][i] = c10::BFloat16(float(i - 8)).x;
+      t[2][i] = c10::BFloat16(float(i - 32)).x;
+      t[3][i] = c10::BFloat16(float(i)).x;  // (i + 32 - 32)
+    }
+    plain = _mm512_loadu_si512(t[0]);
+    minus8 = _mm512_loadu_si512(t[1]);
+    lo32 = _mm512_loadu_si512(t[2]);
+    hi32 = _mm512_loadu_si512(t[3]);
+  }
+};
+
+inline const BF16Tables& bf16_tables() {
+  static const BF16Tables tables;
+  return tables;
+}
+
+// 32 codes (16-bit lanes) -> 32 bf16 values through a 32-entry table.
+inline __m512bh lookup(__m512i codes, __m512i table) {
+  return (__m512bh)_mm512_permutexvar_epi16(codes, table);
+}
+
+inline __m512bh load_bh(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// 32 bytes widened to 16-bit lanes.
+inline __m512i widen32(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int M>
+inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int64_t x_stride,
+                          int64_t in, const XSums& xs, float* sums) {
+  const BF16Tables& tb = bf16_tables();
+  const __m512i nib = _mm512_set1_epi16(0xF);
+  __m512 acc[M];
+  float off[M] = {};
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512 zero = _mm512_setzero_ps();
+  switch (t) {
+    case QType::Q4_0:
+    case QType::Q4_1: {
+      const bool one = t == QType::Q4_1;
+      const int64_t bytes = one ? 20 : 18;
+      for (int64_t b = 0; b < in / 32; ++b, w += bytes) {
+        const float d = half_at(w);
+        const __m256i q16 =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (one ? 4 : 2))));
+        const __m512i codes = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(q16, _mm256_set1_epi16(0xF))),
+            _mm256_srli_epi16(q16, 4), 1);
+        const __m512bh v = lookup(codes, one ? tb.plain : tb.minus8);
+        const __m512 dv = _mm512_set1_ps(d);
+        for (int m = 0; m < M; ++m) {
+          acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v, load_bh(x + m * x_stride + b * 32)),
+                                   dv, acc[m]);
+          if (one) off[m] += half_at(w + 2) * (xs.at(m, 2 * b) + xs.at(m, 2 * b + 1));
+        }
+      }
+      break;
+    }
+    case QType::Q4_K:
+    case QType::Q5_K: {
+      const bool five = t == QType::Q5_K;
+      const int64_t bytes = five ? 176 : 144;
+      for (int64_t b = 0; b < in / 256; ++b, w += bytes) {
+        const float d = half_at(w), dmin = half_at(w + 2);
+        const __m512i h = five ? widen32(w + 16) : _mm512_setzero_si512();
+        const uint8_t* qs = w + (five ? 48 : 16);
+        float f[8], mins[8];  // each sub-block's d sc and dmin m (k4_scale_min, unrolled)
+        const uint8_t* q6 = w + 4;
+        for (int j = 0; j < 4; ++j) {
+          f[j] = d * float(q6[j] & 63);
+          mins[j] = dmin * float(q6[j + 4] & 63);
+          f[j + 4] = d * float((q6[j + 8] & 0xF) | ((q6[j] >> 6) << 4));
+          mins[j + 4] = dmin * float((q6[j + 8] >> 4) | ((q6[j + 4] >> 6) << 4));
+        }
+        for (int c = 0; c < 4; ++c) {
+          const __m512i q = widen32(qs + 32 * c);
+          __m512i lo = _mm512_and_si512(q, nib), hi = _mm512_srli_epi16(q, 4);
+          if (five) {
+            const __m512i one = _mm512_set1_epi16(1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
+          }
+          const __m512bh v1 = lookup(lo, tb.plain), v2 = lookup(hi, tb.plain);
+          const __m512 f1 = _mm512_set1_ps(f[2 * c]), f2 = _mm512_set1_ps(f[2 * c + 1]);
+          const int64_t base = b * 256 + c * 64;
+          for (int m = 0; m < M; ++m) {
+            const c10::BFloat16* xm = x + m * x_stride + base;
+            acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v1, load_bh(xm)), f1, acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v2, load_bh(xm + 32)), f2, acc[m]);
+            const float* s32 = xs.at32(m, b * 8 + 2 * c);
+            off[m] -= mins[2 * c] * s32[0] + mins[2 * c + 1] * s32[1];
+          }
+        }
+      }
+      break;
+    }
+    case QType::Q6_K:
+      for (int64_t b = 0; b < in / 256; ++b, w += 210) {
+        const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+        const float d = half_at(w + 208);
+        for (int hf = 0; hf < 2; ++hf) {  // 128 values: quarters of 32
+          const uint8_t* ql = w + 64 * hf;
+          const __m512i qh = widen32(w + 128 + 32 * hf);
+          const int8_t* s = sc + 8 * hf;
+          for (int j = 0; j < 4; ++j) {
+            const __m512i low = _mm512_and_si512(
+                _mm512_srli_epi16(widen32(ql + 32 * (j & 1)), 4 * (j >> 1)), nib);
+            const __m512i high = _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(qh, 2 * j), _mm512_set1_epi16(3)), 4);
+            const __m512bh v = (__m512bh)_mm512_permutex2var_epi16(
+                tb.lo32, _mm512_or_si512(low, high), tb.hi32);
+            // values 0-15 of the quarter take scale s[2j], 16-31 s[2j + 1]: lanes 0-7, 8-15
+            const __m512 f = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d * s[2 * j]),
+                                                  _mm512_set1_ps(d * s[2 * j + 1]));
+            const int64_t base = b * 256 + hf * 128 + 32 * j;
+            for (int m = 0; m < M; ++m)
+              acc[m] = _mm512_fmadd_ps(
+                  _mm512_dpbf16_ps(zero, v, load_bh(x + m * x_stride + base)), f, acc[m]);
+          }
+        }
+      }
+      break;
+    case QType::Q8_0:
+      break;  // (not here: qdot_row)
+  }
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]) + off[m];
+}
+#endif
+
+// Whether qlinear_small reads bf16 x as it is (qdot_row_bf16) for type t.
+template <typename T>
+inline bool qreads_bf16(QType t) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && t != QType::Q8_0;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
 // Dequantized values of `n` weight rows from `w` (row stride `row_bytes`) into `out`
 // [n, in] (fp32 or bf16).
 template <typename T>
@@ -301,16 +468,30 @@ void dequant_rows(QType t, const uint8_t* w, int64_t row_bytes, int64_t n, int64
 // y [M, out] (row stride y_stride) = x W^T (+ bias) for a quantized W [out rows of
 // row_bytes]; xf: x in fp32.
 template <int M, typename T>
-void qlinear_small_impl(T* y, int64_t y_stride, const float* xf, QType t, const uint8_t* w,
-                        int64_t row_bytes, int64_t in, int64_t out, const T* bias) {
+void qlinear_small_impl(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
+                        QType t, const uint8_t* w, int64_t row_bytes, int64_t in, int64_t out,
+                        const T* bias) {
   XSums xs;
   xs.fill(xf, M, in);
+  const bool direct = qreads_bf16<T>(t);
   const int64_t grain = std::max<int64_t>(8, out / (4 * at::get_num_threads()));
   at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o) {
       const uint8_t* wr = w + o * row_bytes;
       prefetch_w_row(wr, row_bytes);
       float sums[M];
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (direct) {
+          qdot_row_bf16<M>(t, wr, x, x_stride, in, xs, sums);
+          finish_rows(y, y_stride, o, sums, M, nullptr, bias);
+          continue;
+        }
+      }
+#endif
+      (void)direct;
+      (void)x;
+      (void)x_stride;
       qdot_row<M>(t, wr, xf, in, xs, sums);
       finish_rows(y, y_stride, o, sums, M, nullptr, bias);
     }
@@ -318,12 +499,14 @@ void qlinear_small_impl(T* y, int64_t y_stride, const float* xf, QType t, const 
 }
 
 template <typename T>
-void qlinear_small_any(T* y, int64_t y_stride, const float* xf, int rows, QType t,
-                       const uint8_t* w, int64_t row_bytes, int64_t in, int64_t out,
-                       const T* bias) {
+void qlinear_small_any(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
+                       int rows, QType t, const uint8_t* w, int64_t row_bytes, int64_t in,
+                       int64_t out, const T* bias) {
   switch (rows) {
-#define TW_QCASE(M) \
-  case M: return qlinear_small_impl<M>(y, y_stride, xf, t, w, row_bytes, in, out, bias);
+#define TW_QCASE(M)                                                                       \
+  case M:                                                                                 \
+    return qlinear_small_impl<M>(y, y_stride, x, x_stride, xf, t, w, row_bytes, in, out, \
+                                 bias);
     TW_QCASE(1) TW_QCASE(2) TW_QCASE(3) TW_QCASE(4) TW_QCASE(5) TW_QCASE(6) TW_QCASE(7)
     TW_QCASE(8)
 #undef TW_QCASE

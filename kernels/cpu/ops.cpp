@@ -268,8 +268,8 @@ void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   std::vector<float> xf(rows * in);
   auto run = [&](auto* y, const auto* xp, const auto* bp) {
     to_fp32(xf.data(), xp, x.stride(0), rows, in);
-    qlinear_small_any(y, out.stride(0), xf.data(), int(rows), t, w.const_data_ptr<uint8_t>(),
-                      w.size(1), in, o, bp);
+    qlinear_small_any(y, out.stride(0), xp, x.stride(0), xf.data(), int(rows), t,
+                      w.const_data_ptr<uint8_t>(), w.size(1), in, o, bp);
   };
   if (x.scalar_type() == at::kFloat)
     run(out.data_ptr<float>(), x.const_data_ptr<float>(),

@@ -1,0 +1,99 @@
+"""The GGUF block kernels' decode speed against this machine's memory bandwidth.
+
+    python -m bench.gguf_kernels [--rows 1] [--out 8192] [--in 2048]
+
+For each block type, x W^T for a few rows of x (cpu_ops.gguf_linear_small) on a matrix
+far larger than the caches, as GB/s of weight bytes streamed and as a fraction of a
+plain streaming read of memory on the same threads (a sum over a 1 GiB fp32 tensor);
+bf16 and int8 weights through cpu_ops.linear_small beside them. Random blocks (the
+speed does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from kernels import cpu_ops
+
+NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+
+
+def _best(fn, bytes_read: int, repeat: int) -> float:
+    """GB/s of the fastest of `repeat` runs (after one warm-up)."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return bytes_read / best / 1e9
+
+
+def read_bandwidth(repeat: int = 5) -> float:
+    """GB/s of a streaming read: the sum of a 1 GiB fp32 tensor."""
+    big = torch.ones(1 << 28)
+    return _best(lambda: big.sum(), big.numel() * 4, repeat)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=1, help="rows of x (1-8: decode batches)")
+    p.add_argument("--out", type=int, default=8192)
+    p.add_argument("--in", dest="inp", type=int, default=2048)
+    p.add_argument("--copies", type=int, default=8,
+                   help="distinct weight matrices cycled through (beyond the caches)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    from tests.gguf_tools import random_blocks
+
+    if not cpu_ops.available():
+        raise SystemExit("the compiled CPU kernels are unavailable")
+    bw = read_bandwidth(a.repeat)
+    print(f"streaming read: {bw:.1f} GB/s on {torch.get_num_threads()} threads")
+    x = torch.randn(a.rows, a.inp).to(torch.bfloat16)
+    out: dict = {"read_gb_s": round(bw, 2), "rows": a.rows, "shape": [a.out, a.inp]}
+    for qtype, name in NAMES.items():
+        ws = [torch.from_numpy(random_blocks(qtype, a.out, a.inp, seed=i, scale=1e-3))
+              for i in range(a.copies)]
+        nbytes = sum(w.numel() for w in ws)
+
+        def run(ws=ws, qtype=qtype) -> None:
+            for w in ws:
+                cpu_ops.gguf_linear_small(x, w, qtype)
+        gb = _best(run, nbytes, a.repeat)
+        bits = 8 * ws[0].numel() / (a.out * a.inp)
+        out[name] = {"gb_s": round(gb, 2), "of_read": round(gb / bw, 3),
+                     "bits_per_weight": bits,
+                     "ms_per_1b_weights": round(1e9 * bits / 8 / gb / 1e6, 2)}
+        print(f"{name}: {gb:5.1f} GB/s ({gb / bw:4.0%} of the read), {bits:.2f} bits a weight, "
+              f"{out[name]['ms_per_1b_weights']} ms per 1e9 weights")
+    g = torch.Generator().manual_seed(0)
+    for name, ws, scale in (
+            ("bf16", [torch.randn(a.out, a.inp, generator=g).to(torch.bfloat16)
+                      for _ in range(a.copies)], None),
+            ("int8", [torch.randint(-127, 127, (a.out, a.inp), dtype=torch.int8, generator=g)
+                      for _ in range(a.copies)], torch.ones(a.out))):
+        nbytes = sum(w.numel() * w.element_size() for w in ws)
+
+        def run_dense(ws=ws, scale=scale) -> None:
+            for w in ws:
+                cpu_ops.linear_small(x, w, scale)
+        gb = _best(run_dense, nbytes, a.repeat)
+        bits = 8 * ws[0].element_size()
+        out[name] = {"gb_s": round(gb, 2), "of_read": round(gb / bw, 3),
+                     "bits_per_weight": bits,
+                     "ms_per_1b_weights": round(1e9 * bits / 8 / gb / 1e6, 2)}
+        print(f"{name}: {gb:5.1f} GB/s ({gb / bw:4.0%} of the read), {bits} bits a weight, "
+              f"{out[name]['ms_per_1b_weights']} ms per 1e9 weights")
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
