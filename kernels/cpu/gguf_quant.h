@@ -381,36 +381,36 @@ inline bool qreads_bf16(QType t) {
 }
 
 // Dequantized values of `n` weight rows from `w` (row stride `row_bytes`) into `out`
-// [n, in] (fp32 or bf16).
+// [n, in] (fp32 or bf16), 16 values at a time; each value is d sc q - dmin m (or its
+// type's form) computed as the `gguf` package computes it, so the results are the same.
 template <typename T>
 void dequant_rows(QType t, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t in, T* out) {
+  const QTypeInfo info = qtype_info(t);
   at::parallel_for(0, n, 8, [&](int64_t r0, int64_t r1) {
-    std::vector<float> one(256);
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* p = w + r * row_bytes;
       T* y = out + r * in;
-      const QTypeInfo info = qtype_info(t);
       for (int64_t b = 0; b < in / info.block_values; ++b, p += info.block_bytes) {
-        float* v = one.data();
+        T* yb = y + b * info.block_values;
         switch (t) {
           case QType::Q8_0: {
             const float d = half_at(p);
-            for (int i = 0; i < 32; ++i) v[i] = d * float(int8_t(p[2 + i]));
+            store16(yb, d * load16(reinterpret_cast<const int8_t*>(p + 2)));
+            store16(yb + 16, d * load16(reinterpret_cast<const int8_t*>(p + 18)));
             break;
           }
-          case QType::Q4_0: {
-            const float d = half_at(p);
-            for (int i = 0; i < 16; ++i) {
-              v[i] = d * float(int(p[2 + i] & 0xF) - 8);
-              v[i + 16] = d * float(int(p[2 + i] >> 4) - 8);
-            }
-            break;
-          }
+          case QType::Q4_0:
           case QType::Q4_1: {
-            const float d = half_at(p), mn = half_at(p + 2);
-            for (int i = 0; i < 16; ++i) {
-              v[i] = d * float(p[4 + i] & 0xF) + mn;
-              v[i + 16] = d * float(p[4 + i] >> 4) + mn;
+            const bool one = t == QType::Q4_1;
+            const float d = half_at(p);
+            const u8x16 q = load_u8x16(p + (one ? 4 : 2));
+            if (one) {
+              const float mn = half_at(p + 2);
+              store16(yb, d * u8_to_f32(q & 0xF) + mn);
+              store16(yb + 16, d * u8_to_f32(q >> 4) + mn);
+            } else {
+              store16(yb, d * (u8_to_f32(q & 0xF) - 8.0f));
+              store16(yb + 16, d * (u8_to_f32(q >> 4) - 8.0f));
             }
             break;
           }
@@ -418,21 +418,29 @@ void dequant_rows(QType t, const uint8_t* w, int64_t row_bytes, int64_t n, int64
           case QType::Q5_K: {
             const bool five = t == QType::Q5_K;
             const float d = half_at(p), dmin = half_at(p + 2);
-            const uint8_t* qh = p + 16;
+            const u8x16 h0 = five ? load_u8x16(p + 16) : u8x16{},
+                        h1 = five ? load_u8x16(p + 32) : u8x16{};
             const uint8_t* qs = p + (five ? 48 : 16);
             for (int c = 0; c < 4; ++c) {
               int s1, m1, s2, m2;
               k4_scale_min(2 * c, p + 4, s1, m1);
               k4_scale_min(2 * c + 1, p + 4, s2, m2);
-              for (int l = 0; l < 32; ++l) {
-                int lo = qs[32 * c + l] & 0xF, hi = qs[32 * c + l] >> 4;
-                if (five) {
-                  lo += (qh[l] >> (2 * c)) & 1 ? 16 : 0;
-                  hi += (qh[l] >> (2 * c + 1)) & 1 ? 16 : 0;
-                }
-                v[64 * c + l] = d * s1 * lo - dmin * m1;
-                v[64 * c + 32 + l] = d * s2 * hi - dmin * m2;
+              const u8x16 a = load_u8x16(qs + 32 * c), bb = load_u8x16(qs + 32 * c + 16);
+              u8x16 la = a & 0xF, lb = bb & 0xF, ha = a >> 4, hb = bb >> 4;
+              if (five) {
+                const uint8_t u1 = uint8_t(1u << (2 * c)), u2 = uint8_t(2u << (2 * c));
+                la += (u8x16)((h0 & u1) != 0) & 16;
+                lb += (u8x16)((h1 & u1) != 0) & 16;
+                ha += (u8x16)((h0 & u2) != 0) & 16;
+                hb += (u8x16)((h1 & u2) != 0) & 16;
               }
+              const float f1 = d * float(s1), o1 = dmin * float(m1);
+              const float f2 = d * float(s2), o2 = dmin * float(m2);
+              T* yc = yb + 64 * c;
+              store16(yc, f1 * u8_to_f32(la) - o1);
+              store16(yc + 16, f1 * u8_to_f32(lb) - o1);
+              store16(yc + 32, f2 * u8_to_f32(ha) - o2);
+              store16(yc + 48, f2 * u8_to_f32(hb) - o2);
             }
             break;
           }
@@ -440,26 +448,23 @@ void dequant_rows(QType t, const uint8_t* w, int64_t row_bytes, int64_t n, int64
             const float d = half_at(p + 208);
             const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
             for (int h = 0; h < 2; ++h) {
-              const uint8_t* ql = p + 64 * h;
-              const uint8_t* qh = p + 128 + 32 * h;
-              const int8_t* s = sc + 8 * h;
-              for (int l = 0; l < 32; ++l) {
-                const int k = l / 16;
-                const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                v[128 * h + l] = d * s[k] * q1;
-                v[128 * h + l + 32] = d * s[k + 2] * q2;
-                v[128 * h + l + 64] = d * s[k + 4] * q3;
-                v[128 * h + l + 96] = d * s[k + 6] * q4;
+              const uint8_t* l = p + 64 * h;
+              const uint8_t* hh = p + 128 + 32 * h;
+              for (int k = 0; k < 2; ++k) {
+                const u8x16 a = load_u8x16(l + 16 * k), a2 = load_u8x16(l + 32 + 16 * k),
+                            hi = load_u8x16(hh + 16 * k);
+                const u8x16 q[4] = {(a & 0xF) | ((hi & 3) << 4),
+                                    (a2 & 0xF) | (((hi >> 2) & 3) << 4),
+                                    (a >> 4) | (((hi >> 4) & 3) << 4),
+                                    (a2 >> 4) | (((hi >> 6) & 3) << 4)};
+                for (int j = 0; j < 4; ++j)
+                  store16(yb + 128 * h + 32 * j + 16 * k,
+                          (d * float(sc[8 * h + k + 2 * j])) * (u8_to_f32(q[j]) - 32.0f));
               }
             }
             break;
           }
         }
-        for (int64_t i = 0; i < info.block_values; ++i)
-          y[b * info.block_values + i] = static_cast<T>(v[i]);
       }
     }
   });
