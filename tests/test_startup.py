@@ -188,9 +188,9 @@ def test_health_and_ready_report_loading_then_serve(tiny_models, monkeypatch) ->
     release = threading.Event()
     real = engine.build.resolve_model
 
-    def slow_resolve(name: str) -> Path:
+    def slow_resolve(name: str, **kw: bool) -> Path:
         assert release.wait(60)
-        return real(name)
+        return real(name, **kw)
 
     monkeypatch.setattr(engine.build, "resolve_model", slow_resolve)
     port = free_port()
@@ -257,10 +257,10 @@ def test_stopping_while_the_model_loads_leaves_no_engine_behind(tiny_models, mon
     release, entered = threading.Event(), threading.Event()
     real = engine.build.resolve_model
 
-    def slow_resolve(name: str) -> Path:
+    def slow_resolve(name: str, **kw: bool) -> Path:
         entered.set()
         assert release.wait(60)
-        return real(name)
+        return real(name, **kw)
 
     monkeypatch.setattr(engine.build, "resolve_model", slow_resolve)
     before = set(_engine_threads())
