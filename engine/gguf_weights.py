@@ -36,6 +36,7 @@ class QuantWeight:
     qtype: int  # ggml's type id (kernels.cpu_ops.GGUF_BLOCKS)
     data: torch.Tensor
     cols: int
+    mapped: bool = False  # `data` is a view of the mapped file (else memory of its own)
 
     @property
     def rows(self) -> int:
@@ -56,6 +57,21 @@ class QuantWeight:
 
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         return QuantWeight(self.qtype, self.data.index_select(0, index), self.cols)
+
+    def joined(self, after: QuantWeight) -> QuantWeight | None:
+        """This matrix with `after`'s rows below, without copying either: where both are
+        copies of their own (then one copy), or views of the file that lie back to back
+        (then one view); None otherwise (copying would double a mapped matrix)."""
+        if after.qtype != self.qtype or after.cols != self.cols:
+            return None
+        if not self.mapped and not after.mapped:
+            return QuantWeight(self.qtype, torch.cat([self.data, after.data]), self.cols)
+        if self.mapped and after.mapped and \
+                self.data.data_ptr() + self.nbytes == after.data.data_ptr():
+            rows, width = self.rows + after.rows, self.data.shape[1]
+            return QuantWeight(self.qtype, self.data.as_strided((rows, width), (width, 1)),
+                               self.cols, mapped=True)
+        return None
 
 
 def kernel_types() -> frozenset[int]:
@@ -100,6 +116,11 @@ def load(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tenso
     reader = gguf_reader._reader(path)
     arch = gguf_reader._architecture(reader)
     kinds = kernel_types()
+    with warnings.catch_warnings():  # a read-only map: nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        # the whole file as one tensor: matrices are slices of it (so that neighbours can
+        # be joined into one view, QuantWeight.joined)
+        whole = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r"))
     out: dict[str, Any] = {}
     for t in reader.tensors:
         name = t.name
@@ -108,10 +129,9 @@ def load(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tenso
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         w: torch.Tensor | QuantWeight
         if int(t.tensor_type) in kinds and len(shape) == 2:
-            with warnings.catch_warnings():  # a read-only map: nothing writes to it
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.from_numpy(np.asarray(t.data).reshape(shape[0], -1))
-            w = QuantWeight(int(t.tensor_type), data, shape[1])
+            start = int(t.data_offset)
+            data = whole[start : start + int(t.n_bytes)].view(shape[0], -1)
+            w = QuantWeight(int(t.tensor_type), data, shape[1], mapped=True)
         else:
             w = gguf_reader._dequantize(t)
         if arch in gguf_reader._PERMUTED and name.startswith("blk.") and (

@@ -113,11 +113,12 @@ class GGUFLinear:
         from engine.gguf_weights import QuantWeight
 
         merged: list[Any] = []
-        for p in parts:  # rows of one block type concatenate into one matrix
+        for p in parts:  # rows of one block type join into one matrix where that is free
             last = merged[-1] if merged else None
-            if isinstance(p, QuantWeight) and isinstance(last, QuantWeight) and \
-                    last.qtype == p.qtype:
-                merged[-1] = QuantWeight(p.qtype, torch.cat([last.data, p.data]), p.cols)
+            both = isinstance(p, QuantWeight) and isinstance(last, QuantWeight)
+            joined = last.joined(p) if both else None
+            if joined is not None:
+                merged[-1] = joined
             else:
                 merged.append(p if isinstance(p, QuantWeight) else p.to(dtype).contiguous())
         self.parts = merged
