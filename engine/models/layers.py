@@ -115,8 +115,8 @@ class GGUFLinear:
         merged: list[Any] = []
         for p in parts:  # rows of one block type join into one matrix where that is free
             last = merged[-1] if merged else None
-            both = isinstance(p, QuantWeight) and isinstance(last, QuantWeight)
-            joined = last.joined(p) if both else None
+            joined = last.joined(p) if isinstance(p, QuantWeight) and \
+                isinstance(last, QuantWeight) else None
             if joined is not None:
                 merged[-1] = joined
             else:
