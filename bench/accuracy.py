@@ -26,6 +26,9 @@ CONFIGS = {  # name -> LLM keywords
     "bf16+kv-int8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
     "w-int8": dict(dtype="bfloat16", quantization="int8"),
     "w-int8+kv-int8": dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8"),
+    "w-int4": dict(dtype="bfloat16", quantization="int4"),
+    # a .gguf --model's own blocks as stored (the reference is its dequantized values)
+    "gguf": dict(dtype="bfloat16", quantization="gguf"),
     "fp32+kv-int8": dict(dtype="float32", kv_cache_dtype="int8"),
 }
 

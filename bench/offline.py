@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "runs on the same device")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no compiled CPU decode step")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "gguf"],
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
                    help="Tidewire's weights (the HF baseline stays in --dtype)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="Tidewire's KV cache (int8: the CPU backend's one-byte cache)")

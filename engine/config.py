@@ -13,8 +13,9 @@ from engine.registry import DEFAULT_MODEL
 
 # the names `EngineConfig.dtype` takes besides "auto" (platform.DTYPES maps them to torch)
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
-# engine/quant.py (int8); gguf: a GGUF file's weights as they are (engine/gguf_weights.py)
-QUANTIZATIONS = ("none", "int8", "gguf")
+# engine/quant.py (int8, int4); gguf: a GGUF file's weights as they are
+# (engine/gguf_weights.py)
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the activations' dtype; int8: the CPU's q8 cache
 
 

@@ -116,7 +116,7 @@ class ModelPlan:
     # bf16 weights on the CPU: those that take it also keep a plain copy for
     # cpu_ops.linear_small (see keeps_plain)
     linear_small: bool = False
-    quantization: str = "none"  # "none", "int8" (engine/quant.py) or "gguf" (gguf_weights.py)
+    quantization: str = "none"  # "none", "int8", "int4" (engine/quant.py), "gguf" (gguf_weights)
     kv_cache_dtype: str = "auto"  # "auto" (the activations' dtype) or "int8"
 
     def keeps_plain(self, in_features: int) -> bool:
@@ -213,14 +213,23 @@ class Platform:
                 raise ValueError("gguf quantization (a GGUF's weights as they are) needs the "
                                  "cpu attention backend with its compiled kernels; on a GPU "
                                  "a GGUF runs dequantized (without --quantization)")
+        elif quantization == "int4":
+            if not (cpu and self.cpu_kernels()) or any(n % 32 for n in in_features):
+                raise ValueError("int4 quantization needs the cpu attention backend with its "
+                                 "compiled kernels, and hidden size, intermediate size and "
+                                 "heads x head_dim multiples of 32")
+            if arch.num_experts:
+                raise ValueError("int4 quantization of mixture-of-experts models is not "
+                                 "supported yet")
         elif quantization != "none":
-            raise ValueError(f"quantization must be none, int8 or gguf, got {quantization!r}")
+            raise ValueError(f"quantization must be none, int8, int4 or gguf, got "
+                             f"{quantization!r}")
         linear_small = self.device == "cpu" and dtype == torch.bfloat16 and self.cpu_kernels()
         plan = ModelPlan(self.device, dtype, ops, FastPath.NONE, compiled_attention,
                          linear_small, quantization, kv_cache_dtype)
         # weights the compiled step reads: int8; fp32 (never packed); bf16 kept plain
-        # (a GGUF's block types: not yet, the eager path runs them)
-        readable = quantization != "gguf" and (
+        # (GGUF blocks, int4 among them: not yet, the eager path runs them)
+        readable = quantization not in ("gguf", "int4") and (
             quantization == "int8" or dtype == torch.float32
             or all(plan.keeps_plain(n) for n in in_features))
         if self.enforce_eager:

@@ -36,7 +36,7 @@ from engine.models.layers import (DenseMLP, GGUFEmbedding, GGUFLinear, Int8Linea
                                   Linear, activation_of)
 from engine.models.rotary import RopeSpec
 from engine.platform import ModelPlan
-from engine.quant import linear_weight_names, quantized
+from engine.quant import INT4_QTYPE, linear_weight_names, quantized, quantized_int4
 from kernels import reference as ref
 
 EMBED = "model.embed_tokens.weight"
@@ -110,10 +110,16 @@ class DecoderModel:
         # (a GGUF's block-quantized matrices stay as they are: QuantWeight)
         w: dict[str, Any] = {k: v if isinstance(v, QuantWeight) else v.to(plan.device, dtype)
                              for k, v in weights.items()}
+        if plan.quantization == "int4":  # the linears as Q4_1 blocks (GGUFLinear runs them)
+            src = dict(weights)
+            if tied:  # the LM head is a quantized copy of the (kept) embedding table
+                src["lm_head.weight"] = weights[EMBED]
+            for n, blocks in quantized_int4(src, linear_weight_names(src), quant_cache).items():
+                w[n] = QuantWeight(INT4_QTYPE, blocks, src[n].shape[1])
         self.embed: torch.Tensor | GGUFEmbedding = \
             GGUFEmbedding(w[EMBED], dtype) if isinstance(w[EMBED], QuantWeight) else w[EMBED]
         self.norm = self.norm_weight(w, "model.norm.weight")
-        if tied:
+        if tied and plan.quantization != "int4":  # (int4: its quantized copy, above)
             w["lm_head.weight"] = w[EMBED]
         self.lm_head = self.linear(w, ["lm_head.weight"])
         self.layers = [self.layer(w, i) for i in range(arch.num_layers)]

@@ -22,10 +22,11 @@ def model_args(g: Any) -> None:
             choices=["auto", "bfloat16", "float32", "float16"],
             help="weights and activations; auto: bfloat16 on a GPU or on a CPU with "
                  "AVX512-BF16/AMX, else float32")
-    env_arg(g, "--quantization", "QUANTIZATION", default="none", choices=["none", "int8", "gguf"],
+    env_arg(g, "--quantization", "QUANTIZATION", default="none", choices=["none", "int8", "int4", "gguf"],
             help="int8: weight-only int8 linears, quantized at load and cached (CPU backend; "
-                 "~1.6-1.8x faster single-stream decode than bfloat16); gguf: a .gguf model's "
-                 "block-quantized weights run as the file stores them (CPU backend)")
+                 "~1.6-1.8x faster single-stream decode than bfloat16); int4: group-wise 4-bit "
+                 "(32 values a group with a scale and a minimum), cached likewise (CPU); gguf: "
+                 "a .gguf model's block-quantized weights run as the file stores them (CPU)")
 
 
 def engine_args(g: Any) -> None:
