@@ -168,6 +168,11 @@ class BlockPool:
         is worth putting in)."""
         return block_hash not in self.cached
 
+    def holders(self, block_hash: bytes) -> list[KVBlock]:
+        """The cached blocks of this hash (to hold while a load makes room)."""
+        b = self.cached.get(block_hash)
+        return [] if b is None else [b]
+
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on cache hits (pulling free ones out of the queue)."""
         for b in blocks:
@@ -244,6 +249,13 @@ class HybridPool(BlockPool):
     def lacks(self, block_hash: bytes) -> bool:
         known = self.cached.get(block_hash)
         return known is None or self.full_version(known) is None
+
+    def holders(self, block_hash: bytes) -> list[KVBlock]:
+        known = self.cached.get(block_hash)
+        if known is None:
+            return []
+        full = self.full_version(known)
+        return [known] if full is None or full is known else [known, full]
 
     def take_global(self) -> KVBlock | None:
         """A free global-only block (one reference, no hash), or None."""

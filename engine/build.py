@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.block_manager import KVCacheManager
+from engine.input_processor import held_tokens
 from engine.config import EngineConfig
 from engine.kv_offload import EvictionLog, KVOffload, kv_fingerprint
 from engine.loader import (cache_root, load_tokenizer, load_weights, resolve_model,
@@ -136,8 +137,10 @@ def kv_blocks(config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
         return n, n
     bs, sc = cc.block_size, config.scheduler
     spec = config.speculative.num_tokens if config.speculative.method != "none" else 0
-    want = cc.num_full_blocks or (sc.max_num_seqs * (-(-window // bs) + 1)
-                                  + -(-(sc.max_num_batched_tokens + spec) // bs))
+    # (at least what one request may hold in full blocks: the input checks' bound)
+    one = -(-held_tokens(window, config) // bs) + 1
+    want = cc.num_full_blocks or max(one, sc.max_num_seqs * (-(-window // bs) + 1)
+                                     + -(-(sc.max_num_batched_tokens + spec) // bs))
     if cc.num_blocks:
         full = min(cc.num_blocks, cc.num_full_blocks or min(want, -(-cc.num_blocks // 2)))
         return cc.num_blocks, full

@@ -198,9 +198,12 @@ class KVOffload:
         left free (the request's admission takes them as prefix hits)."""
         pool = self.kv.pool
         todo = []
+        kept: list = []  # what the device already has among them: held like the prefix
         for h, payload in zip(job.hashes, job.payloads or ()):
             if pool.lacks(h):  # (another request may have computed it meanwhile)
                 todo.append((h, payload))
+            else:
+                kept += pool.holders(h)
         job.req.num_host_cached_tokens = len(job.payloads or ()) * self.kv.block_size
         self._forget(job.hashes[len(job.payloads or ()):])
         # Hold the prefix already on the device: it is the oldest free memory, the first
@@ -211,6 +214,7 @@ class KVOffload:
             if b is None:
                 break
             held.append(b)
+        held += kept
         pool.touch(held)
         todo = todo[: max(0, pool.num_free - 1)]
         blocks = pool.allocate(len(todo)) if todo else []

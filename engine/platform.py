@@ -200,6 +200,9 @@ class Platform:
             ops = OpsKind.COMPILED
         else:
             ops = OpsKind.TORCH
+        if quantization in ("gguf", "int4") and dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{quantization} quantization runs in bfloat16 or float32, not "
+                             f"{str(dtype).removeprefix('torch.')}")
         if quantization == "int8":
             if not compiled_attention or any(n % 16 for n in in_features):
                 raise ValueError("int8 quantization needs the cpu attention backend with its "

@@ -219,7 +219,16 @@ class Scheduler:
         # it would only stop a request that fits from ever starting.
         reserve = self._watermark if self.running else 0
         if not self.kv.allocate_slots(req, n, hits, reserve):
-            return None
+            # Local and global layers (HybridPool): hits behind the window may hold more
+            # full blocks than the request ever needs at once (left there when no
+            # global-only block was free), and nothing running would free them. Without
+            # them it is a new request, which the input checks let fit.
+            if not (hits and self.kv.local_window):
+                return None
+            hits, num_cached = [], 0
+            n = min(req.num_tokens, budget)
+            if not self.kv.allocate_slots(req, n, hits, reserve):
+                return None
         self.waiting.popleft()
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_cached

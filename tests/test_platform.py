@@ -191,8 +191,8 @@ def test_int8_quantization_needs_the_compiled_kernels_and_rows_of_16() -> None:
                  (platform(), arch(head_dim=48, heads=4))]:
         with pytest.raises(ValueError, match="int8 quantization needs the cpu attention"):
             p.plan(a, quantization="int8")
-    with pytest.raises(ValueError, match="quantization must be none, int8 or gguf"):
-        platform().plan(arch(), quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be none, int8, int4 or gguf"):
+        platform().plan(arch(), quantization="int3")
 
 
 def test_gguf_weights_run_eagerly_on_the_compiled_cpu_kernels_only() -> None:
@@ -203,6 +203,9 @@ def test_gguf_weights_run_eagerly_on_the_compiled_cpu_kernels_only() -> None:
     for p in (platform(kernels=lambda: False), platform("triton-interpret", kernels=never)):
         with pytest.raises(ValueError, match="gguf quantization .* needs the cpu attention"):
             p.plan(arch(), quantization="gguf")
+    for q in ("gguf", "int4"):  # (the block kernels take fp32 or bf16 activations)
+        with pytest.raises(ValueError, match="runs in bfloat16 or float32, not float16"):
+            platform(dtype="float16").plan(arch(), quantization=q)
 
 
 def test_the_cpu_backend_is_built_as_planned() -> None:

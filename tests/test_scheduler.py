@@ -164,3 +164,29 @@ def test_proposals_take_no_block_another_request_needs() -> None:
     assert a.num_tokens == 8 and len(s.kv.block_ids("a")) == 2
     assert s.kv.num_free_blocks == 2
     s.kv.check_integrity()
+
+
+def test_a_hybrid_pool_admits_a_request_whose_hits_alone_fill_the_full_blocks() -> None:
+    """Local and global layers (HybridPool, 7 full blocks, 1 global-only): a prompt's
+    blocks stayed full when no global-only block was free, and it is cached as 6 full
+    blocks. Its next admission needs those 6 plus 2 new blocks, more than the 7 full ones,
+    and nothing running would ever free any: it is admitted without the hits instead of
+    waiting forever."""
+    kv = KVCacheManager(8, 16, local_window=32, num_full=7)
+    s = Scheduler(SchedulerConfig(32, 8, 0.0), kv)
+    a = req("a", 112)  # 7 blocks; only the first can move
+    while a.num_computed_tokens < a.num_prompt_tokens:
+        n = min(32, a.num_prompt_tokens - a.num_computed_tokens)
+        assert kv.allocate_slots(a, n)
+        a.num_computed_tokens += n
+        kv.cache_full_blocks(a)
+        kv.check_integrity()
+    assert [blk.block_id < 7 for blk in kv.tables["a"]] == [False] + [True] * 6
+    kv.free(a)
+    again = req("a2", 112 + 20)
+    hits, n = kv.get_computed_blocks(again)
+    assert n == 7 * 16 and not kv.allocate_slots(again, 20, hits)  # 6 full + 2 new > 7
+    s.add(again)
+    out = run(s)
+    assert chunks(out) == [("a2", 32)]  # admitted, from the start
+    assert s.requests["a2"].num_cached_tokens == 0

@@ -7,6 +7,7 @@ projections that read the same input are fused into one GEMM (q/k/v, gate/up).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,7 @@ class GGUFLinear:
 
     small_rows = 8
     tile_bytes = 4 << 20
+    _tiles = threading.local()  # one tile buffer a thread, shared by every GGUFLinear
 
     def __init__(self, parts: list[Any], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         from engine.gguf_weights import QuantWeight
@@ -125,7 +127,6 @@ class GGUFLinear:
         self.bias, self.dtype = bias, dtype
         self.in_features = int(parts[0].shape[1])
         self.out_features = sum(int(p.shape[0]) for p in parts)
-        self._tile: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from engine.gguf_weights import QuantWeight
@@ -151,12 +152,14 @@ class GGUFLinear:
     def _dense(self, x: torch.Tensor, p: Any, dest: torch.Tensor) -> None:
         """dest = x W^T through dequantized tiles of W's rows."""
         step = max(16, self.tile_bytes // (p.cols * x.element_size()))
+        buf = getattr(self._tiles, "buf", None)
+        if buf is None or buf.numel() * buf.element_size() < step * p.cols * x.element_size():
+            buf = self._tiles.buf = torch.empty(step * p.cols * x.element_size(),
+                                                dtype=torch.uint8)
         for r0 in range(0, p.rows, step):
             r1 = min(p.rows, r0 + step)
             n = (r1 - r0) * p.cols
-            if self._tile is None or self._tile.numel() < n or self._tile.dtype != x.dtype:
-                self._tile = torch.empty(max(n, step * p.cols), dtype=x.dtype)
-            tile = self._tile[:n].view(r1 - r0, p.cols)
+            tile = buf.view(x.dtype)[:n].view(r1 - r0, p.cols)
             torch.ops.tidewire.gguf_dequant(tile, p.data[r0:r1], p.qtype)
             dest[:, r0:r1] = F.linear(x, tile)
 

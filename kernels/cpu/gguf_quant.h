@@ -58,7 +58,11 @@ inline bool qtype_known(int64_t t) {
 inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);  // one instruction; c10::Half's portable conversion takes a dozen
+#else
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
 }
 
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
@@ -89,6 +93,23 @@ inline void k4_scale_min(int j, const uint8_t* s, int& sc, int& m) {
     sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
     m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
   }
+}
+
+// The 8 six-bit scales and mins of a Q4_K/Q5_K block's 12 scale bytes (k4_scale_min for
+// j = 0..7) as bytes: sc[0..7], mn[0..7], with 32-bit word operations.
+inline void k4_scales_all(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t w0, w1, w2;
+  std::memcpy(&w0, s, 4);
+  std::memcpy(&w1, s + 4, 4);
+  std::memcpy(&w2, s + 8, 4);
+  const uint32_t lo6 = 0x3F3F3F3Fu, lo4 = 0x0F0F0F0Fu, lo2 = 0x03030303u;
+  const uint32_t s03 = w0 & lo6, m03 = w1 & lo6;
+  const uint32_t s47 = (w2 & lo4) | (((w0 >> 6) & lo2) << 4);
+  const uint32_t m47 = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
+  std::memcpy(sc, &s03, 4);
+  std::memcpy(sc + 4, &s47, 4);
+  std::memcpy(mn, &m03, 4);
+  std::memcpy(mn + 4, &m47, 4);
 }
 
 // Sums of each x row over every 16 values, and over every 32 (the groups' offsets
@@ -304,14 +325,13 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
         const float d = half_at(w), dmin = half_at(w + 2);
         const __m512i h = five ? widen32(w + 16) : _mm512_setzero_si512();
         const uint8_t* qs = w + (five ? 48 : 16);
-        float f[8], mins[8];  // each sub-block's d sc and dmin m (k4_scale_min, unrolled)
-        const uint8_t* q6 = w + 4;
-        for (int j = 0; j < 4; ++j) {
-          f[j] = d * float(q6[j] & 63);
-          mins[j] = dmin * float(q6[j + 4] & 63);
-          f[j + 4] = d * float((q6[j + 8] & 0xF) | ((q6[j] >> 6) << 4));
-          mins[j + 4] = dmin * float((q6[j + 8] >> 4) | ((q6[j + 4] >> 6) << 4));
-        }
+        uint8_t sc8[8], mn8[8];
+        k4_scales_all(w + 4, sc8, mn8);
+        float f[8], mins[8];  // each sub-block's d sc and dmin m
+        _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc8))))));
+        _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn8))))));
         for (int c = 0; c < 4; ++c) {
           const __m512i q = widen32(qs + 32 * c);
           __m512i lo = _mm512_and_si512(q, nib), hi = _mm512_srli_epi16(q, 4);
