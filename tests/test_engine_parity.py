@@ -3,6 +3,9 @@ under every scheduling regime; block-manager integrity is checked after every st
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -213,28 +216,39 @@ def test_auto_dtype_follows_the_cpu(tiny_models) -> None:
     assert str(llm.engine.dtype) == f"torch.{auto_dtype('cpu', read_cpu_flags())}"
 
 
+def _dequantized_copy(src: Path, out: Path, roundtrip: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> Path:
+    """A copy of the model directory `src` whose linears (engine/quant.py's names) went
+    through a quantization and back: the HF reference of a quantized engine."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.quant import linear_weight_names
+
+    shutil.copytree(src, out)
+    weights = load_file(str(src / "model.safetensors"))
+    for name in linear_weight_names(weights):
+        weights[name] = roundtrip(weights[name])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 @pytest.mark.parametrize("model", ["llama-gqa", "llama-fused", "qwen2-fused-bias"])
 def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model) -> None:
     """Weight-only int8: greedy tokens equal HF transformers running the dequantized
     weights in fp32, through the compiled decode step, the eager int8 kernel (<= 4 rows)
     and the dense path (prefill chunks, 6-row eager decodes) alike; the quantized weights
     are cached and reused."""
-    from safetensors.torch import load_file, save_file
-    import shutil
-
-    from engine.quant import dequantize_int8, linear_weight_names, quantize_int8
+    from engine.quant import dequantize_int8, quantize_int8
     from kernels import cpu_ops
 
     if not cpu_ops.available():
         pytest.skip("no C++ compiler: int8 needs the compiled CPU kernels")
     arch, cfg = MODELS[model]
     src = tiny_models(arch, 5, **cfg)
-    ref_dir = tmp_path / "dequantized"
-    shutil.copytree(src, ref_dir)
-    weights = load_file(str(src / "model.safetensors"))
-    for name in linear_weight_names(weights):
-        weights[name] = dequantize_int8(*quantize_int8(weights[name]))
-    save_file(weights, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    ref_dir = _dequantized_copy(src, tmp_path / "dequantized",
+                                lambda w: dequantize_int8(*quantize_int8(w)))
     prompts = random_prompts(6, 3, 40, 320, seed=21)
     want = hf_greedy(ref_dir, prompts, GREEDY.max_tokens)
     for kw in (dict(), dict(enforce_eager=True, max_num_seqs=2), dict(enforce_eager=True),
@@ -252,32 +266,26 @@ def test_int4_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model
     the dequantized weights in fp32, through the block kernel (<= 8 rows) and the
     dequantized tiles (prefill chunks, 12-row decodes); the blocks are cached and reused,
     and dequantize in the kernel exactly as engine/quant.py says."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from engine.gguf_weights import QuantWeight
-    from engine.quant import dequantize_int4, linear_weight_names, quantize_int4
+    from engine.quant import dequantize_int4, quantize_int4
     from kernels import cpu_ops
 
     if not cpu_ops.available():
         pytest.skip("no C++ compiler: int4 needs the compiled CPU kernels")
     arch, cfg = MODELS[model]
     src = tiny_models(arch, 5, **cfg)
-    ref_dir = tmp_path / "dequantized"
-    shutil.copytree(src, ref_dir)
-    weights = load_file(str(src / "model.safetensors"))
-    for name in linear_weight_names(weights):
-        w = weights[name]
+
+    def roundtrip(w: torch.Tensor) -> torch.Tensor:
         blocks = quantize_int4(w)
         deq = dequantize_int4(blocks, w.shape[1])
         assert torch.equal(cpu_ops.gguf_dequant(blocks, 3, w.shape[1], torch.float32), deq)
-        step = (w.reshape(w.shape[0], -1, 32).float().amax(-1)
-                - w.reshape(w.shape[0], -1, 32).float().amin(-1)) / 15
-        assert ((deq - w).reshape(w.shape[0], -1, 32).abs()
+        groups = w.reshape(w.shape[0], -1, 32).float()
+        step = (groups.amax(-1) - groups.amin(-1)) / 15
+        assert ((deq.reshape(groups.shape) - groups).abs()
                 <= step[..., None] * 0.51 + 1e-3).all()  # half a step (fp16 d, m)
-        weights[name] = deq
-    save_file(weights, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+        return deq
+
+    ref_dir = _dequantized_copy(src, tmp_path / "dequantized", roundtrip)
     prompts = random_prompts(12, 3, 40, 320, seed=21)
     want = hf_greedy(ref_dir, prompts, GREEDY.max_tokens)
     for kw in (dict(), dict(max_num_seqs=4, max_num_batched_tokens=16)):

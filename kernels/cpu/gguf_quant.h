@@ -95,6 +95,26 @@ inline void k4_scale_min(int j, const uint8_t* s, int& sc, int& m) {
   }
 }
 
+// The 64 codes of chunk c (0-3) of a Q4_K/Q5_K block as four vectors of 16: sub-block
+// 2c's values 0-15 and 16-31 (the low nibbles of qs[32c..]), then sub-block 2c + 1's (the
+// high nibbles); Q5_K (`five`) adds each value's fifth bit, bit 2c or 2c + 1 of its qh byte
+// (h0: qh[0..15], h1: qh[16..31]).
+inline void k_chunk_codes(const uint8_t* qs, int c, bool five, u8x16 h0, u8x16 h1,
+                          u8x16 out[4]) {
+  const u8x16 a = load_u8x16(qs + 32 * c), b = load_u8x16(qs + 32 * c + 16);
+  out[0] = a & 0xF;
+  out[1] = b & 0xF;
+  out[2] = a >> 4;
+  out[3] = b >> 4;
+  if (five) {
+    const uint8_t u1 = uint8_t(1u << (2 * c)), u2 = uint8_t(2u << (2 * c));
+    out[0] += (u8x16)((h0 & u1) != 0) & 16;
+    out[1] += (u8x16)((h1 & u1) != 0) & 16;
+    out[2] += (u8x16)((h0 & u2) != 0) & 16;
+    out[3] += (u8x16)((h1 & u2) != 0) & 16;
+  }
+}
+
 // The 8 six-bit scales and mins of a Q4_K/Q5_K block's 12 scale bytes (k4_scale_min for
 // j = 0..7) as bytes: sc[0..7], mn[0..7], with 32-bit word operations.
 inline void k4_scales_all(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
@@ -189,17 +209,10 @@ inline void qdot_row(QType t, const uint8_t* w, const float* xf, int64_t in, con
           int s1, m1, s2, m2;
           k4_scale_min(2 * c, sc, s1, m1);
           k4_scale_min(2 * c + 1, sc, s2, m2);
-          const u8x16 a = load_u8x16(qs + 32 * c), bb = load_u8x16(qs + 32 * c + 16);
-          u8x16 la = a & 0xF, lb = bb & 0xF, ha = a >> 4, hb = bb >> 4;
-          if (five) {
-            const uint8_t u1 = uint8_t(1u << (2 * c)), u2 = uint8_t(2u << (2 * c));
-            la += (u8x16)((h0 & u1) != 0) & 16;
-            lb += (u8x16)((h1 & u1) != 0) & 16;
-            ha += (u8x16)((h0 & u2) != 0) & 16;
-            hb += (u8x16)((h1 & u2) != 0) & 16;
-          }
-          const f32x16 q0 = u8_to_f32(la), q1 = u8_to_f32(lb), q2 = u8_to_f32(ha),
-                       q3 = u8_to_f32(hb);
+          u8x16 k[4];
+          k_chunk_codes(qs, c, five, h0, h1, k);
+          const f32x16 q0 = u8_to_f32(k[0]), q1 = u8_to_f32(k[1]), q2 = u8_to_f32(k[2]),
+                       q3 = u8_to_f32(k[3]);
           const float f1 = d * s1, f2 = d * s2, o1 = dmin * m1, o2 = dmin * m2;
           const int64_t base = b * 256 + c * 64, g = base / kLanes;
           for (int m = 0; m < M; ++m) {
@@ -445,22 +458,15 @@ void dequant_rows(QType t, const uint8_t* w, int64_t row_bytes, int64_t n, int64
               int s1, m1, s2, m2;
               k4_scale_min(2 * c, p + 4, s1, m1);
               k4_scale_min(2 * c + 1, p + 4, s2, m2);
-              const u8x16 a = load_u8x16(qs + 32 * c), bb = load_u8x16(qs + 32 * c + 16);
-              u8x16 la = a & 0xF, lb = bb & 0xF, ha = a >> 4, hb = bb >> 4;
-              if (five) {
-                const uint8_t u1 = uint8_t(1u << (2 * c)), u2 = uint8_t(2u << (2 * c));
-                la += (u8x16)((h0 & u1) != 0) & 16;
-                lb += (u8x16)((h1 & u1) != 0) & 16;
-                ha += (u8x16)((h0 & u2) != 0) & 16;
-                hb += (u8x16)((h1 & u2) != 0) & 16;
-              }
+              u8x16 k[4];
+              k_chunk_codes(qs, c, five, h0, h1, k);
               const float f1 = d * float(s1), o1 = dmin * float(m1);
               const float f2 = d * float(s2), o2 = dmin * float(m2);
               T* yc = yb + 64 * c;
-              store16(yc, f1 * u8_to_f32(la) - o1);
-              store16(yc + 16, f1 * u8_to_f32(lb) - o1);
-              store16(yc + 32, f2 * u8_to_f32(ha) - o2);
-              store16(yc + 48, f2 * u8_to_f32(hb) - o2);
+              store16(yc, f1 * u8_to_f32(k[0]) - o1);
+              store16(yc + 16, f1 * u8_to_f32(k[1]) - o1);
+              store16(yc + 32, f2 * u8_to_f32(k[2]) - o2);
+              store16(yc + 48, f2 * u8_to_f32(k[3]) - o2);
             }
             break;
           }
