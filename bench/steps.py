@@ -12,7 +12,8 @@ import torch
 
 ATTENTION_OPS = ("tidewire::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::index_select")
-LINEAR_OPS = ("mkldnn::_linear_pointwise", "tidewire::linear_small", "aten::addmm", "aten::mm",
+LINEAR_OPS = ("mkldnn::_linear_pointwise", "tidewire::linear_small", "tidewire::gguf_linear_small",
+              "tidewire::gguf_dequant", "aten::addmm", "aten::mm",
               "aten::linear")
 
 
@@ -64,7 +65,7 @@ def linears_alone_ms(llm: Any, batch: int, rounds: int = 5) -> float:
             for m in (layer.qkv, layer.o, getattr(layer.mlp, "gate_up", None),
                       getattr(layer.mlp, "down", None)) if m is not None]
     mats.append(model.lm_head)
-    dev = model.lm_head.weight.device
+    dev = llm.engine.runner.device  # (a GGUF linear has no .weight)
     xs = {n: torch.randn(batch, n, device=dev).to(model.dtype)
           for n in {m.in_features for m in mats}}
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

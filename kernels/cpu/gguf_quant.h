@@ -116,8 +116,10 @@ inline void k_chunk_codes(const uint8_t* qs, int c, bool five, u8x16 h0, u8x16 h
 }
 
 // The 8 six-bit scales and mins of a Q4_K/Q5_K block's 12 scale bytes (k4_scale_min for
-// j = 0..7) as bytes: sc[0..7], mn[0..7], with 32-bit word operations.
-inline void k4_scales_all(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+// j = 0..7), each set as 8 bytes of a 64-bit word (byte j: sub-block j), computed with
+// 32-bit word operations and kept in registers (bytes stored one way and loaded another
+// stall the store-to-load forwarding).
+inline void k4_scales_all(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
   uint32_t w0, w1, w2;
   std::memcpy(&w0, s, 4);
   std::memcpy(&w1, s + 4, 4);
@@ -126,10 +128,8 @@ inline void k4_scales_all(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   const uint32_t s03 = w0 & lo6, m03 = w1 & lo6;
   const uint32_t s47 = (w2 & lo4) | (((w0 >> 6) & lo2) << 4);
   const uint32_t m47 = ((w2 >> 4) & lo4) | (((w1 >> 6) & lo2) << 4);
-  std::memcpy(sc, &s03, 4);
-  std::memcpy(sc + 4, &s47, 4);
-  std::memcpy(mn, &m03, 4);
-  std::memcpy(mn + 4, &m47, 4);
+  sc = uint64_t(s03) | (uint64_t(s47) << 32);
+  mn = uint64_t(m03) | (uint64_t(m47) << 32);
 }
 
 // Sums of each x row over every 16 values, and over every 32 (the groups' offsets
@@ -338,13 +338,13 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
         const float d = half_at(w), dmin = half_at(w + 2);
         const __m512i h = five ? widen32(w + 16) : _mm512_setzero_si512();
         const uint8_t* qs = w + (five ? 48 : 16);
-        uint8_t sc8[8], mn8[8];
+        uint64_t sc8, mn8;
         k4_scales_all(w + 4, sc8, mn8);
         float f[8], mins[8];  // each sub-block's d sc and dmin m
         _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc8))))));
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))))));
         _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn8))))));
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))))));
         for (int c = 0; c < 4; ++c) {
           const __m512i q = widen32(qs + 32 * c);
           __m512i lo = _mm512_and_si512(q, nib), hi = _mm512_srli_epi16(q, 4);
