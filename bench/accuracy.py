@@ -1,7 +1,8 @@
 """`tidewire bench accuracy`: what the quantized paths cost in accuracy, measured the way
 llama.cpp's perplexity tool does: a text fed token by token, teacher-forced.
 
-Each Tidewire configuration (bf16, int8 KV cache, int8 weights, both; --configs) runs
+Each Tidewire configuration (bf16, int8 KV cache, int8 or int4 weights; --configs), and
+each GGUF of the same model run as stored (--gguf: Q8_0, Q4_K_M, ... files made from it), runs
 the text through its real decode path, one token a step (the compiled decode step where
 it applies, the paged kernels, the quantizing cache write), and the next-token
 distribution of every position is compared with HF transformers' in fp32 on the same
@@ -41,6 +42,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2000, help="tokens of the text to score")
     p.add_argument("--configs", default="bf16,bf16+kv-int8,w-int8,w-int8+kv-int8",
                    help=f"comma-separated, from {', '.join(CONFIGS)}")
+    p.add_argument("--gguf", nargs="*", default=[], metavar="FILE",
+                   help="GGUF files of the same model (the same vocabulary: made from "
+                        "--model by llama.cpp's converter and quantizer), each run as stored "
+                        "(quantization gguf, bf16) and scored against --model's fp32")
     p.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -118,8 +123,10 @@ def main(a: argparse.Namespace) -> int:
         "configs": {}}
     print(f"{len(ids)} tokens; HF fp32 perplexity {results['fp32_perplexity']:.3f}")
     print(f"{'config':<18} {'top-1 vs fp32':>14} {'mean KL':>10} {'perplexity':>11}")
-    for name in names:
-        llm = LLM(model=a.model, **CONFIGS[name], enable_prefix_caching=False,
+    runs = [(name, a.model, CONFIGS[name]) for name in names]
+    runs += [(Path(f).name, f, CONFIGS["gguf"]) for f in a.gguf]
+    for name, model, kw in runs:
+        llm = LLM(model=model, **kw, enable_prefix_caching=False,
                   max_num_seqs=1, max_model_len=len(ids) + 16)
         r = compare(ref, forced_logprobs(llm, ids), ids)
         llm.close()

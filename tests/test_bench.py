@@ -144,6 +144,22 @@ def test_bench_accuracy_forces_the_text_through_the_decode_path(tiny_chat_model,
     assert 0 < q8["mean_kl"] < 0.05 and q8["top1_agreement"] >= 0.8
 
 
+def test_bench_accuracy_scores_a_gguf_as_stored_against_its_model(tmp_path) -> None:
+    """--gguf: the shipped SmolLM2 file run as stored (its Q4_1 blocks, bf16 activations)
+    against the same model's fp32 (its dequantized values): close, not identical."""
+    from engine.registry import REGISTRY, gguf_path
+
+    text = tmp_path / "text.md"
+    text.write_text("Tidewire serves a language model over WebSockets and HTTP. " * 8)
+    out = tmp_path / "accuracy.json"
+    f = gguf_path(REGISTRY["smollm2-135m"])
+    rc = main(["bench", "accuracy", "--text", str(text), "--tokens", "40", "--configs", "bf16",
+               "--gguf", str(f), "--json", str(out)])
+    assert rc == 0
+    got = json.loads(out.read_text())["configs"][f.name]
+    assert 0 < got["mean_kl"] < 0.02 and got["top1_agreement"] >= 0.9
+
+
 def test_free_ports_lie_below_the_ephemeral_range_and_never_repeat() -> None:
     """Servers in the tests and benchmarks listen on these: an outgoing connection (a
     local port from the ephemeral range) can never be holding one when its server binds."""
