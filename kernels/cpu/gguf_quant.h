@@ -65,25 +65,6 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
-typedef int16_t i16x16 __attribute__((vector_size(32)));
-
-inline u8x16 load_u8x16(const uint8_t* p) {
-  u8x16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline f32x16 u8_to_f32(u8x16 v) {
-#if defined(__AVX512F__)
-  __m128i b;
-  std::memcpy(&b, &v, sizeof(b));
-  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-#else
-  return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16);
-#endif
-}
-
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block's 12 scale bytes.
 inline void k4_scale_min(int j, const uint8_t* s, int& sc, int& m) {
   if (j < 4) {

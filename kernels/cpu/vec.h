@@ -57,6 +57,25 @@ inline f32x16 load16(const int8_t* p) {
 #endif
 }
 
+// 16 bytes as a vector, and 16 unsigned bytes (codes of quantized weights) as fp32.
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+inline u8x16 load_u8x16(const uint8_t* p) {
+  u8x16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline f32x16 u8_to_f32(u8x16 v) {
+#if defined(__AVX512F__)
+  __m128i b;
+  std::memcpy(&b, &v, sizeof(b));
+  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+#else
+  return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16);
+#endif
+}
+
 inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof(v)); }
 
 // fp32 -> bf16 with round-to-nearest-even (what torch's .to(bfloat16) does; inputs
