@@ -1,12 +1,18 @@
 """The GGUF block kernels' decode speed against this machine's memory bandwidth.
 
     python -m bench.gguf_kernels [--rows 1] [--out 8192] [--in 2048]
+    python -m bench.gguf_kernels --tiled [--out 8192] [--in 2048]
 
 For each block type, x W^T for a few rows of x (cpu_ops.gguf_linear_small) on a matrix
 far larger than the caches, as GB/s of weight bytes streamed and as a fraction of a
 plain streaming read of memory on the same threads (a sum over a 1 GiB fp32 tensor);
 bf16 and int8 weights through cpu_ops.linear_small beside them. Random blocks (the
 speed does not depend on the values).
+
+--tiled: batches of 1-256 rows, each block type through cpu_ops.gguf_linear_small (up to
+8 rows) and cpu_ops.gguf_linear_tiled against the packed bf16 GEMM (engine Linear) of a
+matrix of the same shape: ms per call and the tiled kernel's ratio to bf16. The
+thresholds in engine/models/layers.py GGUFLinear come from this table.
 """
 
 from __future__ import annotations
@@ -40,6 +46,33 @@ def read_bandwidth(repeat: int = 5) -> float:
     return _best(lambda: big.sum(), big.numel() * 4, repeat)
 
 
+def tiled_table(out_f: int, in_f: int, repeat: int) -> dict:
+    """ms per call of the small and tiled kernels and of packed bf16, by rows."""
+    from engine.models.layers import Linear
+    from tests.gguf_tools import random_blocks
+
+    g = torch.Generator().manual_seed(0)
+    dense = Linear(torch.randn(out_f, in_f, generator=g).to(torch.bfloat16))
+    table: dict = {}
+    for rows in (1, 2, 4, 6, 8, 16, 32, 64, 128, 256):
+        x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
+        line = {"bf16": 1e3 * out_f * in_f * 2 / _best(lambda: dense(x), out_f * in_f * 2,
+                                                          repeat) / 1e9}
+        for qtype, name in NAMES.items():
+            w = torch.from_numpy(random_blocks(qtype, out_f, in_f, seed=qtype, scale=1e-3))
+            n = w.numel()
+            if rows <= 8:
+                line[f"{name} small"] = 1e3 * n / _best(
+                    lambda: cpu_ops.gguf_linear_small(x, w, qtype), n, repeat) / 1e9
+            line[f"{name} tiled"] = 1e3 * n / _best(
+                lambda: cpu_ops.gguf_linear_tiled(x, w, qtype), n, repeat) / 1e9
+        table[rows] = {k: round(v, 3) for k, v in line.items()}
+        print(f"rows {rows:3d}: " + "  ".join(
+            f"{k} {v:.2f}" + (f" ({line['bf16'] / v:.2f}x)" if k.endswith("tiled") else "")
+            for k, v in line.items()), flush=True)
+    return table
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1, help="rows of x (1-8: decode batches)")
@@ -49,11 +82,20 @@ def main() -> None:
                    help="distinct weight matrices cycled through (beyond the caches)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--tiled", action="store_true",
+                   help="ms per call by rows: small and tiled kernels against packed bf16")
     a = p.parse_args()
     from tests.gguf_tools import random_blocks
 
     if not cpu_ops.available():
         raise SystemExit("the compiled CPU kernels are unavailable")
+    if a.tiled:
+        if not cpu_ops.gguf_tiled():
+            raise SystemExit("gguf_linear_tiled needs a CPU with AVX512-BF16")
+        table = tiled_table(a.out, a.inp, a.repeat)
+        if a.json:
+            a.json.write_text(json.dumps(table, indent=2))
+        return
     bw = read_bandwidth(a.repeat)
     print(f"streaming read: {bw:.1f} GB/s on {torch.get_num_threads()} threads")
     x = torch.randn(a.rows, a.inp).to(torch.bfloat16)

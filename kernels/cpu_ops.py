@@ -192,6 +192,25 @@ def gguf_linear_small(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     return out
 
 
+def gguf_tiled() -> bool:
+    """Whether gguf_linear_tiled runs here: the compiled kernels on a CPU with
+    AVX512-BF16 (they are built with -march=native)."""
+    return available() and "avx512_bf16" in set(_cpu_identity().split())
+
+
+def gguf_linear_tiled(x: torch.Tensor, weight: torch.Tensor, qtype: int,
+                      bias: torch.Tensor | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """gguf_linear_small for bf16 x with any number of rows (where gguf_tiled()): the
+    weight rows are dequantized 16 at a time into a bf16 tile that stays in cache while
+    every row of x is multiplied with it (vdpbf16ps, fp32 sums), so a batch pays one
+    dequantization a weight and reads the 4-bit weights once."""
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    torch.ops.tidewire.gguf_linear_tiled(out, x, weight, qtype, bias)
+    return out
+
+
 def gguf_dequant(weight: torch.Tensor, qtype: int, in_features: int,
                  dtype: torch.dtype) -> torch.Tensor:
     """The values of GGUF block-quantized rows (uint8 [n, row bytes]) as [n, in] in

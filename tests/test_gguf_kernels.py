@@ -62,6 +62,33 @@ def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int,
                                atol=2e-2 * (x.float() @ ref.T).abs().max().item(), rtol=2e-2)
 
 
+@pytest.mark.skipif(not cpu_ops.gguf_tiled(), reason="gguf_linear_tiled needs AVX512-BF16")
+@pytest.mark.parametrize("qtype", sorted(NAMES), ids=lambda t: NAMES[t])
+def test_gguf_linear_tiled_equals_the_dequantized_matmul(qtype: int) -> None:
+    """Any number of rows (the 6-row blocks and their tails) against a weight whose row
+    count leaves a partial last panel and a partial group of 4: x times the bf16
+    dequantized W, summed in fp32, to rounding; bias added; a column slice as output."""
+    cols, out = 512, 37
+    blocks = random_blocks(qtype, out, cols, seed=200 + qtype)
+    w = torch.from_numpy(blocks)
+    ref = dequantized(blocks, qtype, cols).to(torch.bfloat16).float()  # what the tile holds
+    bias = torch.randn(out).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(qtype)
+    for rows in (1, 5, 6, 7, 13, 64):
+        x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+        want = x.float() @ ref.T + bias.float()
+        got = cpu_ops.gguf_linear_tiled(x, w, qtype, bias)
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(),
+                                   rtol=1e-2)
+    x = torch.randn(9, cols, generator=g).to(torch.bfloat16)
+    wide = torch.zeros(9, out + 10, dtype=torch.bfloat16)
+    cpu_ops.gguf_linear_tiled(x, w, qtype, None, out=wide[:, 5 : 5 + out])
+    assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
+    want = x.float() @ ref.T
+    torch.testing.assert_close(wide[:, 5 : 5 + out].float(), want,
+                               atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+
+
 def test_gguf_kernels_refuse_what_they_cannot_read() -> None:
     w = torch.from_numpy(random_blocks(12, 4, 256, seed=1))
     with pytest.raises(RuntimeError, match="type must be"):

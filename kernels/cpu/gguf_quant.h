@@ -141,17 +141,28 @@ inline void qdot_row(QType t, const uint8_t* w, const float* xf, int64_t in, con
   f32x16 acc[M] = {};
   float off[M] = {};
   switch (t) {
-    case QType::Q8_0:
-      for (int64_t b = 0; b < in / 32; ++b, w += 34) {
-        const float d = half_at(w);
-        const f32x16 v0 = load16(reinterpret_cast<const int8_t*>(w + 2)),
-                     v1 = load16(reinterpret_cast<const int8_t*>(w + 18));
+    case QType::Q8_0: {
+      // two sums a row, alternating blocks: one chain of adds would bound the loop by
+      // the add's latency rather than by its loads
+      f32x16 acc2[M] = {};
+      int64_t b = 0;
+      const auto block = [&](f32x16* a, int64_t blk, const uint8_t* wb) {
+        const float d = half_at(wb);
+        const f32x16 v0 = load16(reinterpret_cast<const int8_t*>(wb + 2)),
+                     v1 = load16(reinterpret_cast<const int8_t*>(wb + 18));
         for (int m = 0; m < M; ++m) {
-          const float* x = xf + m * in + b * 32;
-          acc[m] += d * (v0 * load16(x) + v1 * load16(x + 16));
+          const float* x = xf + m * in + blk * 32;
+          a[m] += d * (v0 * load16(x) + v1 * load16(x + 16));
         }
+      };
+      for (; b + 2 <= in / 32; b += 2, w += 68) {
+        block(acc, b, w);
+        block(acc2, b + 1, w + 34);
       }
+      if (b < in / 32) block(acc, b, w);
+      for (int m = 0; m < M; ++m) acc[m] += acc2[m];
       break;
+    }
     case QType::Q4_0:
       for (int64_t b = 0; b < in / 32; ++b, w += 18) {
         const float d = half_at(w);
@@ -285,9 +296,16 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
                           int64_t in, const XSums& xs, float* sums) {
   const BF16Tables& tb = bf16_tables();
   const __m512i nib = _mm512_set1_epi16(0xF);
-  __m512 acc[M];
-  float off[M] = {};
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  // A sums a row of x, taken in turn: one chain of fmadds per row would bound the loop by
+  // the fmadd's latency (4 cycles) instead of its throughput; fewer rows need more chains.
+  constexpr int A = M == 1 ? 4 : 2;
+  __m512 acc[M][A];
+  __m256 offv[M];  // K types: the groups' offsets, 8 sub-blocks a lane
+  float off[M][2] = {};
+  for (int m = 0; m < M; ++m) {
+    for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
+    offv[m] = _mm256_setzero_ps();
+  }
   const __m512 zero = _mm512_setzero_ps();
   switch (t) {
     case QType::Q4_0:
@@ -304,9 +322,10 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
         const __m512bh v = lookup(codes, one ? tb.plain : tb.minus8);
         const __m512 dv = _mm512_set1_ps(d);
         for (int m = 0; m < M; ++m) {
-          acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v, load_bh(x + m * x_stride + b * 32)),
-                                   dv, acc[m]);
-          if (one) off[m] += half_at(w + 2) * (xs.at(m, 2 * b) + xs.at(m, 2 * b + 1));
+          __m512& a = acc[m][b % A];
+          a = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v, load_bh(x + m * x_stride + b * 32)),
+                              dv, a);
+          if (one) off[m][b & 1] += half_at(w + 2) * *xs.at32(m, b);
         }
       }
       break;
@@ -321,11 +340,13 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
         const uint8_t* qs = w + (five ? 48 : 16);
         uint64_t sc8, mn8;
         k4_scales_all(w + 4, sc8, mn8);
-        float f[8], mins[8];  // each sub-block's d sc and dmin m
+        float f[8];  // each sub-block's d sc
         _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
             _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))))));
-        _mm256_storeu_ps(mins, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))))));
+        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8)))));  // each one's dmin m
+        for (int m = 0; m < M; ++m)
+          offv[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs.at32(m, b * 8)), offv[m]);
         for (int c = 0; c < 4; ++c) {
           const __m512i q = widen32(qs + 32 * c);
           __m512i lo = _mm512_and_si512(q, nib), hi = _mm512_srli_epi16(q, 4);
@@ -341,10 +362,10 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
           const int64_t base = b * 256 + c * 64;
           for (int m = 0; m < M; ++m) {
             const c10::BFloat16* xm = x + m * x_stride + base;
-            acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v1, load_bh(xm)), f1, acc[m]);
-            acc[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v2, load_bh(xm + 32)), f2, acc[m]);
-            const float* s32 = xs.at32(m, b * 8 + 2 * c);
-            off[m] -= mins[2 * c] * s32[0] + mins[2 * c + 1] * s32[1];
+            __m512& a1 = acc[m][(2 * c) % A];
+            __m512& a2 = acc[m][(2 * c + 1) % A];
+            a1 = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v1, load_bh(xm)), f1, a1);
+            a2 = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v2, load_bh(xm + 32)), f2, a2);
           }
         }
       }
@@ -369,9 +390,11 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
             const __m512 f = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d * s[2 * j]),
                                                   _mm512_set1_ps(d * s[2 * j + 1]));
             const int64_t base = b * 256 + hf * 128 + 32 * j;
-            for (int m = 0; m < M; ++m)
-              acc[m] = _mm512_fmadd_ps(
-                  _mm512_dpbf16_ps(zero, v, load_bh(x + m * x_stride + base)), f, acc[m]);
+            for (int m = 0; m < M; ++m) {
+              __m512& a = acc[m][j % A];
+              a = _mm512_fmadd_ps(_mm512_dpbf16_ps(zero, v, load_bh(x + m * x_stride + base)),
+                                  f, a);
+            }
           }
         }
       }
@@ -379,7 +402,13 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
     case QType::Q8_0:
       break;  // (not here: qdot_row)
   }
-  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]) + off[m];
+  for (int m = 0; m < M; ++m) {
+    __m512 a = acc[m][0];
+    for (int i = 1; i < A; ++i) a = _mm512_add_ps(a, acc[m][i]);
+    const __m128 o = _mm_add_ps(_mm256_castps256_ps128(offv[m]), _mm256_extractf128_ps(offv[m], 1));
+    sums[m] = _mm512_reduce_add_ps(a) + (off[m][0] + off[m][1]) -
+              _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(o, o), o));
+  }
 }
 #endif
 
@@ -394,88 +423,261 @@ inline bool qreads_bf16(QType t) {
 #endif
 }
 
+#if defined(__AVX512BF16__)
+// bf16 values of 32 codes (16-bit lanes, each < 16) of a group whose value for code i is
+// f i - o (Q4_1: f i + m, passed as o = -m): a 16-entry table computed in fp32 the way the
+// `gguf` package computes each value (the product, then the offset), rounded once, and
+// looked up (vpermw) for all 32 codes: one product a table, not one a value.
+inline __m512i table_values(__m512i codes, float f, float o) {
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 v = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(f), iota), _mm512_set1_ps(o));
+  const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+  return _mm512_permutexvar_epi16(codes, table);
+}
+
+// As table_values for codes < 32 (Q5_K): two 16-lane halves of the table.
+inline __m512i table_values32(__m512i codes, float f, float o) {
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 fv = _mm512_set1_ps(f), ov = _mm512_set1_ps(o);
+  const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(fv, iota), ov);
+  const __m512 hi = _mm512_sub_ps(_mm512_mul_ps(fv, _mm512_add_ps(iota, _mm512_set1_ps(16))), ov);
+  return _mm512_permutexvar_epi16(codes, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+inline void store32(c10::BFloat16* p, __m512i v) { _mm512_storeu_si512(p, v); }
+
+// One row of a Q4_0/Q4_1/Q4_K/Q5_K weight dequantized into bf16 through table_values;
+// false for the types it does not take (the caller uses the general loop).
+inline bool dequant_row_tables(QType t, const uint8_t* p, int64_t in, c10::BFloat16* y) {
+  const __m512i nib = _mm512_set1_epi16(0xF);
+  switch (t) {
+    case QType::Q4_0:
+    case QType::Q4_1: {
+      const bool one = t == QType::Q4_1;
+      for (int64_t b = 0; b < in / 32; ++b, p += one ? 20 : 18) {
+        const float d = half_at(p);
+        const __m256i q16 = _mm256_cvtepu8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (one ? 4 : 2))));
+        const __m512i codes = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(q16, _mm256_set1_epi16(0xF))),
+            _mm256_srli_epi16(q16, 4), 1);
+        // Q4_1: d q + m; Q4_0: d (q - 8), the product the package computes
+        if (one) {
+          store32(y + 32 * b, table_values(codes, d, -half_at(p + 2)));
+        } else {
+          const __m512 iota8 = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+          const __m512i table = _mm512_castsi256_si512(
+              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_set1_ps(d), iota8)));
+          store32(y + 32 * b, _mm512_permutexvar_epi16(codes, table));
+        }
+      }
+      return true;
+    }
+    case QType::Q4_K:
+    case QType::Q5_K: {
+      const bool five = t == QType::Q5_K;
+      for (int64_t b = 0; b < in / 256; ++b, p += five ? 176 : 144) {
+        const float d = half_at(p), dmin = half_at(p + 2);
+        const __m512i h = five ? widen32(p + 16) : _mm512_setzero_si512();
+        const uint8_t* qs = p + (five ? 48 : 16);
+        for (int c = 0; c < 4; ++c) {
+          int s1, m1, s2, m2;
+          k4_scale_min(2 * c, p + 4, s1, m1);
+          k4_scale_min(2 * c + 1, p + 4, s2, m2);
+          const __m512i q = widen32(qs + 32 * c);
+          __m512i lo = _mm512_and_si512(q, nib), hi = _mm512_srli_epi16(q, 4);
+          c10::BFloat16* yc = y + 256 * b + 64 * c;
+          if (five) {
+            const __m512i one = _mm512_set1_epi16(1);
+            lo = _mm512_or_si512(lo, _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
+            hi = _mm512_or_si512(hi, _mm512_slli_epi16(
+                _mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
+            store32(yc, table_values32(lo, d * float(s1), dmin * float(m1)));
+            store32(yc + 32, table_values32(hi, d * float(s2), dmin * float(m2)));
+          } else {
+            store32(yc, table_values(lo, d * float(s1), dmin * float(m1)));
+            store32(yc + 32, table_values(hi, d * float(s2), dmin * float(m2)));
+          }
+        }
+      }
+      return true;
+    }
+    default:
+      return false;
+  }
+}
+#endif
+
+// One weight row's values (its blocks from `p`) into `y` [in] (fp32 or bf16), 16 values at
+// a time; each value is d sc q - dmin m (or its type's form) computed as the `gguf` package
+// computes it, so the results are the same.
+template <typename T>
+void dequant_row(QType t, const uint8_t* p, int64_t in, T* y) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (dequant_row_tables(t, p, in, y)) return;
+  }
+#endif
+  const QTypeInfo info = qtype_info(t);
+  for (int64_t b = 0; b < in / info.block_values; ++b, p += info.block_bytes) {
+    T* yb = y + b * info.block_values;
+    switch (t) {
+      case QType::Q8_0: {
+        const float d = half_at(p);
+        store16(yb, d * load16(reinterpret_cast<const int8_t*>(p + 2)));
+        store16(yb + 16, d * load16(reinterpret_cast<const int8_t*>(p + 18)));
+        break;
+      }
+      case QType::Q4_0:
+      case QType::Q4_1: {
+        const bool one = t == QType::Q4_1;
+        const float d = half_at(p);
+        const u8x16 q = load_u8x16(p + (one ? 4 : 2));
+        if (one) {
+          const float mn = half_at(p + 2);
+          store16(yb, d * u8_to_f32(q & 0xF) + mn);
+          store16(yb + 16, d * u8_to_f32(q >> 4) + mn);
+        } else {
+          store16(yb, d * (u8_to_f32(q & 0xF) - 8.0f));
+          store16(yb + 16, d * (u8_to_f32(q >> 4) - 8.0f));
+        }
+        break;
+      }
+      case QType::Q4_K:
+      case QType::Q5_K: {
+        const bool five = t == QType::Q5_K;
+        const float d = half_at(p), dmin = half_at(p + 2);
+        const u8x16 h0 = five ? load_u8x16(p + 16) : u8x16{},
+                    h1 = five ? load_u8x16(p + 32) : u8x16{};
+        const uint8_t* qs = p + (five ? 48 : 16);
+        for (int c = 0; c < 4; ++c) {
+          int s1, m1, s2, m2;
+          k4_scale_min(2 * c, p + 4, s1, m1);
+          k4_scale_min(2 * c + 1, p + 4, s2, m2);
+          u8x16 k[4];
+          k_chunk_codes(qs, c, five, h0, h1, k);
+          const float f1 = d * float(s1), o1 = dmin * float(m1);
+          const float f2 = d * float(s2), o2 = dmin * float(m2);
+          T* yc = yb + 64 * c;
+          store16(yc, f1 * u8_to_f32(k[0]) - o1);
+          store16(yc + 16, f1 * u8_to_f32(k[1]) - o1);
+          store16(yc + 32, f2 * u8_to_f32(k[2]) - o2);
+          store16(yc + 48, f2 * u8_to_f32(k[3]) - o2);
+        }
+        break;
+      }
+      case QType::Q6_K: {
+        const float d = half_at(p + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+        for (int h = 0; h < 2; ++h) {
+          const uint8_t* l = p + 64 * h;
+          const uint8_t* hh = p + 128 + 32 * h;
+          for (int k = 0; k < 2; ++k) {
+            const u8x16 a = load_u8x16(l + 16 * k), a2 = load_u8x16(l + 32 + 16 * k),
+                        hi = load_u8x16(hh + 16 * k);
+            const u8x16 q[4] = {(a & 0xF) | ((hi & 3) << 4),
+                                (a2 & 0xF) | (((hi >> 2) & 3) << 4),
+                                (a >> 4) | (((hi >> 4) & 3) << 4),
+                                (a2 >> 4) | (((hi >> 6) & 3) << 4)};
+            for (int j = 0; j < 4; ++j)
+              store16(yb + 128 * h + 32 * j + 16 * k,
+                      (d * float(sc[8 * h + k + 2 * j])) * (u8_to_f32(q[j]) - 32.0f));
+          }
+        }
+        break;
+      }
+    }
+  }
+}
+
 // Dequantized values of `n` weight rows from `w` (row stride `row_bytes`) into `out`
-// [n, in] (fp32 or bf16), 16 values at a time; each value is d sc q - dmin m (or its
-// type's form) computed as the `gguf` package computes it, so the results are the same.
+// [n, in], the rows shared among the threads.
 template <typename T>
 void dequant_rows(QType t, const uint8_t* w, int64_t row_bytes, int64_t n, int64_t in, T* out) {
-  const QTypeInfo info = qtype_info(t);
   at::parallel_for(0, n, 8, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* p = w + r * row_bytes;
-      T* y = out + r * in;
-      for (int64_t b = 0; b < in / info.block_values; ++b, p += info.block_bytes) {
-        T* yb = y + b * info.block_values;
-        switch (t) {
-          case QType::Q8_0: {
-            const float d = half_at(p);
-            store16(yb, d * load16(reinterpret_cast<const int8_t*>(p + 2)));
-            store16(yb + 16, d * load16(reinterpret_cast<const int8_t*>(p + 18)));
-            break;
+    for (int64_t r = r0; r < r1; ++r) dequant_row(t, w + r * row_bytes, in, out + r * in);
+  });
+}
+
+#if defined(__AVX512BF16__)
+// Four sums of 16-lane vectors at once: lane r of the result is the sum of v[r]'s lanes.
+inline __m128 hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512 abcd = _mm512_add_ps(  // each 128-bit lane: a, b, c, d partial sums
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd), _mm512_extractf32x8_ps(abcd, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// MB rows of x against 4 consecutive rows of a dequantized tile (bf16, stride `in`):
+// s[m][r] = x_m . tile_r, products exact and sums in fp32 (vdpbf16ps), 4 MB independent
+// accumulators in registers over the whole row.
+template <int MB>
+inline void tile_dot(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat16* tile,
+                     int64_t in, float s[][4]) {
+  __m512 acc[MB][4];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < in; k += 32) {
+    __m512bh w[4];
+    for (int r = 0; r < 4; ++r) w[r] = load_bh(tile + r * in + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = load_bh(x + m * x_stride + k);
+      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, w[r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    _mm_storeu_ps(s[m], hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+
+// y [rows, out] (row stride y_stride) = x W^T (+ bias) for bf16 x with any number of rows
+// and a quantized W: the weight rows are taken kPanel at a time (the panels shared among
+// the threads), each dequantized once into a small bf16 tile that stays in the core's
+// cache while every row of x is multiplied with it. The 4-bit weights are read once a
+// call, the tile costs one dequantization per weight for all the rows, and nothing the
+// size of the matrix is ever written.
+inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat16* x,
+                          int64_t x_stride, int64_t rows, QType t, const uint8_t* w,
+                          int64_t row_bytes, int64_t in, int64_t out, const c10::BFloat16* bias) {
+  constexpr int kPanel = 16, kMB = 6;
+  const int64_t panels = (out + kPanel - 1) / kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<c10::BFloat16> tile(kPanel * in);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * kPanel, n = std::min<int64_t>(kPanel, out - n0);
+      for (int64_t r = 0; r < n; ++r) dequant_row(t, w + (n0 + r) * row_bytes, in, tile.data() + r * in);
+      if (n < kPanel)  // the last panel: rows past the matrix multiply as zeros
+        std::memset(static_cast<void*>(tile.data() + n * in), 0, (kPanel - n) * in * 2);
+      for (int64_t j = 0; j < n; j += 4) {
+        const c10::BFloat16* tr = tile.data() + j * in;
+        for (int64_t m0 = 0; m0 < rows; m0 += kMB) {
+          float s[kMB][4];
+          const int mb = int(std::min<int64_t>(kMB, rows - m0));
+          const c10::BFloat16* xm = x + m0 * x_stride;
+          switch (mb) {
+            case 6: tile_dot<6>(xm, x_stride, tr, in, s); break;
+            case 5: tile_dot<5>(xm, x_stride, tr, in, s); break;
+            case 4: tile_dot<4>(xm, x_stride, tr, in, s); break;
+            case 3: tile_dot<3>(xm, x_stride, tr, in, s); break;
+            case 2: tile_dot<2>(xm, x_stride, tr, in, s); break;
+            default: tile_dot<1>(xm, x_stride, tr, in, s); break;
           }
-          case QType::Q4_0:
-          case QType::Q4_1: {
-            const bool one = t == QType::Q4_1;
-            const float d = half_at(p);
-            const u8x16 q = load_u8x16(p + (one ? 4 : 2));
-            if (one) {
-              const float mn = half_at(p + 2);
-              store16(yb, d * u8_to_f32(q & 0xF) + mn);
-              store16(yb + 16, d * u8_to_f32(q >> 4) + mn);
-            } else {
-              store16(yb, d * (u8_to_f32(q & 0xF) - 8.0f));
-              store16(yb + 16, d * (u8_to_f32(q >> 4) - 8.0f));
+          const int nr = int(std::min<int64_t>(4, n - j));
+          for (int m = 0; m < mb; ++m)
+            for (int r = 0; r < nr; ++r) {
+              float v = s[m][r];
+              if (bias) v += float(bias[n0 + j + r]);
+              y[(m0 + m) * y_stride + n0 + j + r] = c10::BFloat16(v);
             }
-            break;
-          }
-          case QType::Q4_K:
-          case QType::Q5_K: {
-            const bool five = t == QType::Q5_K;
-            const float d = half_at(p), dmin = half_at(p + 2);
-            const u8x16 h0 = five ? load_u8x16(p + 16) : u8x16{},
-                        h1 = five ? load_u8x16(p + 32) : u8x16{};
-            const uint8_t* qs = p + (five ? 48 : 16);
-            for (int c = 0; c < 4; ++c) {
-              int s1, m1, s2, m2;
-              k4_scale_min(2 * c, p + 4, s1, m1);
-              k4_scale_min(2 * c + 1, p + 4, s2, m2);
-              u8x16 k[4];
-              k_chunk_codes(qs, c, five, h0, h1, k);
-              const float f1 = d * float(s1), o1 = dmin * float(m1);
-              const float f2 = d * float(s2), o2 = dmin * float(m2);
-              T* yc = yb + 64 * c;
-              store16(yc, f1 * u8_to_f32(k[0]) - o1);
-              store16(yc + 16, f1 * u8_to_f32(k[1]) - o1);
-              store16(yc + 32, f2 * u8_to_f32(k[2]) - o2);
-              store16(yc + 48, f2 * u8_to_f32(k[3]) - o2);
-            }
-            break;
-          }
-          case QType::Q6_K: {
-            const float d = half_at(p + 208);
-            const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
-            for (int h = 0; h < 2; ++h) {
-              const uint8_t* l = p + 64 * h;
-              const uint8_t* hh = p + 128 + 32 * h;
-              for (int k = 0; k < 2; ++k) {
-                const u8x16 a = load_u8x16(l + 16 * k), a2 = load_u8x16(l + 32 + 16 * k),
-                            hi = load_u8x16(hh + 16 * k);
-                const u8x16 q[4] = {(a & 0xF) | ((hi & 3) << 4),
-                                    (a2 & 0xF) | (((hi >> 2) & 3) << 4),
-                                    (a >> 4) | (((hi >> 4) & 3) << 4),
-                                    (a2 >> 4) | (((hi >> 6) & 3) << 4)};
-                for (int j = 0; j < 4; ++j)
-                  store16(yb + 128 * h + 32 * j + 16 * k,
-                          (d * float(sc[8 * h + k + 2 * j])) * (u8_to_f32(q[j]) - 32.0f));
-              }
-            }
-            break;
-          }
         }
       }
     }
   });
 }
+#endif
 
 // y [M, out] (row stride y_stride) = x W^T (+ bias) for a quantized W [out rows of
 // row_bytes]; xf: x in fp32.

@@ -281,6 +281,34 @@ void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
     check(false, "dtype must be float32 or bfloat16");
 }
 
+// y = x W^T (+ bias) for bf16 x with any number of rows and a GGUF block-quantized W,
+// through cache-sized dequantized tiles (qlinear_tiled); CPUs with AVX512-BF16 only.
+void gguf_linear_tiled(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
+                       const c10::optional<at::Tensor>& bias) {
+#if defined(__AVX512BF16__)
+  check(qtype_known(qtype), "gguf_linear_tiled: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  const QType t = QType(qtype);
+  const QTypeInfo info = qtype_info(t);
+  const int64_t rows = x.size(0), in = x.size(1), o = w.size(0);
+  check(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16 && w.dim() == 2 &&
+            w.is_contiguous() && w.scalar_type() == at::kByte && in % info.block_values == 0 &&
+            w.size(1) == in / info.block_values * info.block_bytes,
+        "gguf_linear_tiled: x bf16 [rows, in] (in a multiple of the block), w uint8 [out, row bytes]");
+  check(out.dim() == 2 && out.size(0) == rows && out.size(1) == o && out.stride(1) == 1 &&
+            out.scalar_type() == at::kBFloat16,
+        "gguf_linear_tiled: out bf16 [rows, out], unit column stride");
+  if (bias.has_value())
+    check(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == o,
+          "gguf_linear_tiled: bias must be bf16 [out]");
+  qlinear_tiled(out.data_ptr<c10::BFloat16>(), out.stride(0), x.const_data_ptr<c10::BFloat16>(),
+                x.stride(0), rows, t, w.const_data_ptr<uint8_t>(), w.size(1), in, o,
+                bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
+#else
+  (void)out, (void)x, (void)w, (void)qtype, (void)bias;
+  check(false, "gguf_linear_tiled needs a CPU with AVX512-BF16");
+#endif
+}
+
 // The values of GGUF block-quantized rows: w uint8 [n, row bytes] -> out [n, in].
 void gguf_dequant(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
   check(qtype_known(qtype), "gguf_dequant: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
@@ -547,6 +575,8 @@ TORCH_LIBRARY(tidewire, m) {
   m.def("gguf_linear_small(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
         &tw::gguf_linear_small);
   m.def("gguf_dequant(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_dequant);
+  m.def("gguf_linear_tiled(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
+        &tw::gguf_linear_tiled);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
         "bool add) -> ()", &tw::rms_norm);
   m.def("rope_cache(Tensor(a!) qkv, Tensor positions, Tensor cos, Tensor sin, "
