@@ -9,10 +9,11 @@ plain streaming read of memory on the same threads (a sum over a 1 GiB fp32 tens
 bf16 and int8 weights through cpu_ops.linear_small beside them. Random blocks (the
 speed does not depend on the values).
 
---tiled: batches of 1-256 rows, each block type through cpu_ops.gguf_linear_small (up to
-8 rows) and cpu_ops.gguf_linear_tiled against the packed bf16 GEMM (engine Linear) of a
-matrix of the same shape: ms per call and the tiled kernel's ratio to bf16. The
-thresholds in engine/models/layers.py GGUFLinear come from this table.
+--tiled: batches of 1-512 rows, each block type through cpu_ops.gguf_linear_small (up to
+8 rows), cpu_ops.gguf_linear_tiled and the dequantized-tiles GEMM (GGUFLinear._dense),
+against the packed bf16 GEMM (engine Linear) of a matrix of the same shape: ms per call,
+and each quantized path's ratio to bf16 (speed: above 1 is faster). The thresholds in
+engine/models/layers.py GGUFLinear come from this table.
 """
 
 from __future__ import annotations
@@ -48,27 +49,35 @@ def read_bandwidth(repeat: int = 5) -> float:
 
 def tiled_table(out_f: int, in_f: int, repeat: int) -> dict:
     """ms per call of the small and tiled kernels and of packed bf16, by rows."""
-    from engine.models.layers import Linear
+    from engine.gguf_weights import QuantWeight
+    from engine.models.layers import GGUFLinear, Linear
     from tests.gguf_tools import random_blocks
 
     g = torch.Generator().manual_seed(0)
     dense = Linear(torch.randn(out_f, in_f, generator=g).to(torch.bfloat16))
+    weights = {qtype: QuantWeight(qtype, torch.from_numpy(
+        random_blocks(qtype, out_f, in_f, seed=qtype, scale=1e-3)), in_f) for qtype in NAMES}
     table: dict = {}
-    for rows in (1, 2, 4, 6, 8, 16, 32, 64, 128, 256):
+
+    def ms(fn) -> float:
+        return 1e3 / _best(fn, 1, repeat) / 1e9
+
+    for rows in (1, 2, 4, 6, 8, 16, 32, 64, 128, 256, 512):
         x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
-        line = {"bf16": 1e3 * out_f * in_f * 2 / _best(lambda: dense(x), out_f * in_f * 2,
-                                                          repeat) / 1e9}
+        line = {"bf16": ms(lambda: dense(x))}
         for qtype, name in NAMES.items():
-            w = torch.from_numpy(random_blocks(qtype, out_f, in_f, seed=qtype, scale=1e-3))
-            n = w.numel()
+            w = weights[qtype]
+            lin = GGUFLinear([w], None, torch.bfloat16)
+            y = torch.empty(rows, out_f, dtype=torch.bfloat16)
             if rows <= 8:
-                line[f"{name} small"] = 1e3 * n / _best(
-                    lambda: cpu_ops.gguf_linear_small(x, w, qtype), n, repeat) / 1e9
-            line[f"{name} tiled"] = 1e3 * n / _best(
-                lambda: cpu_ops.gguf_linear_tiled(x, w, qtype), n, repeat) / 1e9
+                line[f"{name} small"] = ms(lambda: cpu_ops.gguf_linear_small(x, w.data, qtype))
+            if rows <= 256:
+                line[f"{name} tiled"] = ms(lambda: cpu_ops.gguf_linear_tiled(x, w.data, qtype))
+            if rows >= 4:
+                line[f"{name} dense"] = ms(lambda: lin._dense(x, w, y))
         table[rows] = {k: round(v, 3) for k, v in line.items()}
         print(f"rows {rows:3d}: " + "  ".join(
-            f"{k} {v:.2f}" + (f" ({line['bf16'] / v:.2f}x)" if k.endswith("tiled") else "")
+            f"{k} {v:.2f}" + ("" if k == "bf16" else f" ({line['bf16'] / v:.2f}x)")
             for k, v in line.items()), flush=True)
     return table
 

@@ -13,7 +13,7 @@ import torch
 ATTENTION_OPS = ("tidewire::paged_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::index_select")
 LINEAR_OPS = ("mkldnn::_linear_pointwise", "tidewire::linear_small", "tidewire::gguf_linear_small",
-              "tidewire::gguf_dequant", "aten::addmm", "aten::mm",
+              "tidewire::gguf_dequant", "tidewire::gguf_linear_tiled", "aten::addmm", "aten::mm",
               "aten::linear")
 
 

@@ -230,11 +230,10 @@ class Platform:
         linear_small = self.device == "cpu" and dtype == torch.bfloat16 and self.cpu_kernels()
         plan = ModelPlan(self.device, dtype, ops, FastPath.NONE, compiled_attention,
                          linear_small, quantization, kv_cache_dtype)
-        # weights the compiled step reads: int8; fp32 (never packed); bf16 kept plain
-        # (GGUF blocks, int4 among them: not yet, the eager path runs them)
-        readable = quantization not in ("gguf", "int4") and (
-            quantization == "int8" or dtype == torch.float32
-            or all(plan.keeps_plain(n) for n in in_features))
+        # weights the compiled step reads: int8; GGUF blocks (int4 among them); fp32 (never
+        # packed); bf16 kept plain
+        readable = (quantization in ("int8", "gguf", "int4") or dtype == torch.float32
+                    or all(plan.keeps_plain(n) for n in in_features))
         if self.enforce_eager:
             fast = FastPath.NONE
         elif not cpu:

@@ -141,7 +141,11 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.compiled_step: CompiledDecodeStep | None = None
         if plan.fast_path is FastPath.COMPILED_STEP:
-            self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches)
+            if CompiledDecodeStep.reads(self.model):
+                self.compiled_step = CompiledDecodeStep(self.model, self.kv_caches)
+            else:
+                log.info("decode steps run eagerly: a matmul's weight is in a type the "
+                         "compiled step does not read")
         if plan.fast_path is FastPath.CUDA_GRAPHS:
             self.graphs = DecodeGraphs(self._forward, self.device, max_num_seqs,
                                        -(-max_model_len // block_size),

@@ -171,20 +171,23 @@ NATIVE = [("llama", "q8_0"), ("qwen3", "q8_0"), ("phi3-longrope", "q8_0")]
 
 def _native_run(path: Path, vocab: int) -> tuple[list[list[int]], list[list[int]], LLM]:
     """Greedy tokens of the file run as it is, and of the same prompts through the loader's
-    dequantized copy; 12 prompts (decodes of up to 8 rows stream the blocks, more rows and
-    prefills go through dequantized tiles)."""
+    dequantized copy: 12 prompts at once (decodes of 12 rows: eager, dequantized tiles;
+    prefills likewise), then the first 5 alone (steps of 5 rows: the compiled decode step
+    where the plan has it, else the eager small-batch kernels)."""
     prompts = random_prompts(12, 3, 40, vocab, seed=9)
     llm = LLM(model=str(path), dtype="float32", quantization="gguf")
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    return got, hf_greedy(resolve_model(str(path)), prompts, GREEDY.max_tokens), llm
+    got += [o.token_ids for o in llm.generate(prompts[:5], GREEDY)]
+    want = hf_greedy(resolve_model(str(path)), prompts, GREEDY.max_tokens)
+    return got, want + want[:5], llm
 
 
 @pytest.mark.parametrize("name,outtype", NATIVE, ids=[f"{c}-{t}" for c, t in NATIVE])
 def test_gguf_weights_as_stored_match_hf_on_their_values(name: str, outtype: str, gguf_files,
                                                          family_models, loaded_dir) -> None:
     """`--quantization gguf`: the linears read the file's Q8_0 blocks as they are (no
-    dequantized copy of the model), and greedy output equals HF generate on the weights
-    as dequantized."""
+    dequantized copy of the model), in the eager path and in the compiled decode step,
+    and greedy output equals HF generate on the weights as dequantized."""
     from engine.models.layers import GGUFLinear
 
     path = gguf_files(name, outtype)
@@ -195,7 +198,9 @@ def test_gguf_weights_as_stored_match_hf_on_their_values(name: str, outtype: str
     assert got == want
     layer = llm.engine.runner.model.layers[0]
     assert isinstance(layer.qkv, GGUFLinear) and isinstance(layer.mlp.down, GGUFLinear)
-    assert llm.engine.runner.compiled_step is None  # (the eager path runs them, for now)
+    step = llm.engine.runner.compiled_step  # decodes of 1-8 rows: the compiled step reads
+    if name == "qwen3":                       # the blocks too (the tiny llama's 16-wide
+        assert step is not None and step.steps > 0  # heads are not a shape it takes)
 
 
 def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_path: Path,
@@ -221,6 +226,20 @@ def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_p
     model = llm.engine.runner.model
     assert isinstance(model.embed, GGUFEmbedding)
     assert [p.qtype for p in model.layers[0].mlp.gate_up.parts] == [12, 14]
+    step = llm.engine.runner.compiled_step
+    if step is None:
+        pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
+    assert step.steps > 0  # the 5 prompts' decodes: the blocks in the compiled step
+    # bf16: the compiled step and the eager path (the K types against x in int8 on a CPU
+    # with VNNI, in both) agree but for late rounding
+    prompts = random_prompts(4, 5, 40, 320, seed=43)
+    outs = {}
+    for eager in (False, True):
+        run = LLM(model=str(path), dtype="bfloat16", quantization="gguf", enforce_eager=eager)
+        outs[eager] = [o.token_ids for o in run.generate(prompts, GREEDY)]
+        assert (run.engine.runner.compiled_step is None) == eager
+    same = sum(a == b for x, y in zip(outs[False], outs[True]) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(len(x) for x in outs[True])
 
 
 def test_gguf_as_stored_refuses_what_it_cannot_run(tmp_path: Path) -> None:

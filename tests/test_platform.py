@@ -195,11 +195,14 @@ def test_int8_quantization_needs_the_compiled_kernels_and_rows_of_16() -> None:
         platform().plan(arch(), quantization="int3")
 
 
-def test_gguf_weights_run_eagerly_on_the_compiled_cpu_kernels_only() -> None:
-    """A GGUF's block types: the CPU backend with its kernels, on the eager path (the
-    compiled decode step reads plain and int8 weights only)."""
-    plan = platform().plan(arch(), quantization="gguf")
-    assert plan.quantization == "gguf" and plan.fast_path is FastPath.NONE
+def test_gguf_weights_run_on_the_compiled_cpu_kernels_only() -> None:
+    """A GGUF's block types: the CPU backend with its kernels, the compiled decode step
+    included (it reads the blocks as they are)."""
+    for q in ("gguf", "int4"):
+        plan = platform().plan(arch(), quantization=q)
+        assert plan.quantization == q and plan.fast_path is FastPath.COMPILED_STEP
+    assert platform(eager=True).plan(arch(), quantization="gguf").fast_path is \
+        FastPath.NONE
     for p in (platform(kernels=lambda: False), platform("triton-interpret", kernels=never)):
         with pytest.raises(ValueError, match="gguf quantization .* needs the cpu attention"):
             p.plan(arch(), quantization="gguf")

@@ -102,17 +102,19 @@ class GGUFLinear:
     Q4_K, others in Q6_K), each a QuantWeight or a plain matrix.
 
     Up to `small_rows` rows (decode; Q6_K: `small_rows_q6k`) stream each part's blocks
-    once through cpu_ops.gguf_linear_small, which never dequantizes them. Bigger bf16
-    batches, where the CPU has AVX512-BF16, take cpu_ops.gguf_linear_tiled: 16 weight
-    rows at a time dequantized into a cache-resident tile that every row of x meets
-    (one dequantization a weight a call, 0.89x the packed bf16 GEMM at 64 rows, 2.5x the
-    path below). Elsewhere (fp32, other CPUs) a part is dequantized `tile_bytes` of the
-    activations' dtype at a time into one reused buffer for the dense GEMM: the weights
-    stay 4-8 bits in memory, the GEMM sees its usual operands. (Thresholds measured with
-    bench/gguf_kernels.py --tiled on a Zen 4.)"""
+    once through cpu_ops.gguf_linear_small, which never dequantizes them. Decode batches
+    of up to `tiled_rows` bf16 rows, where the CPU has AVX512-BF16, take
+    cpu_ops.gguf_linear_tiled: 16 weight rows at a time dequantized into a cache-resident
+    tile that every row of x meets (one dequantization a weight a call; 0.87x the packed
+    bf16 GEMM at 64 rows, 1.0-2.4x the path below). Bigger batches (prefill chunks), and
+    fp32 or other CPUs, dequantize a part `tile_bytes` of the activations' dtype at a time
+    into one reused buffer for the dense GEMM: the weights stay 4-8 bits in memory, the
+    GEMM sees its usual operands. (Thresholds measured with `python -m bench.gguf_kernels
+    --tiled` on a Zen 4.)"""
 
     small_rows = 4
     small_rows_q6k = 6  # Q6_K's tile is dequantized without the lookup tables: slower
+    tiled_rows = 96
     tile_bytes = 4 << 20
     _tiles = threading.local()  # one tile buffer a thread, shared by every GGUFLinear
 
@@ -148,7 +150,7 @@ class GGUFLinear:
                 dest.copy_(F.linear(x, p))
             elif 0 < n <= (self.small_rows_q6k if p.qtype == 14 else self.small_rows):
                 cpu_ops.gguf_linear_small(x, p.data, p.qtype, None, out=dest)
-            elif tiled and n > 0:
+            elif tiled and 0 < n <= self.tiled_rows:
                 cpu_ops.gguf_linear_tiled(x, p.data, p.qtype, None, out=dest)
             else:
                 self._dense(x, p, dest)

@@ -17,11 +17,21 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "gguf_quant.h"
 #include "linear.h"
 
 namespace tw {
 
-// One matmul's weight: x's dtype or int8 (with per-channel scales), optional bias.
+// Rows [col0, col0 + out) of a matmul's output from a GGUF block-quantized weight (a
+// Q4_K_M file stores q/k and v, gate/up and down in different types: one part each).
+struct StepQPart {
+  const uint8_t* w;
+  QType t;
+  int64_t row_bytes, out, col0;
+};
+
+// One matmul's weight: x's dtype or int8 (with per-channel scales), or GGUF parts (`q`
+// not empty); optional bias.
 template <typename T>
 struct StepLinear {
   const void* w;
@@ -29,6 +39,7 @@ struct StepLinear {
   const float* scale;
   const T* bias;
   int64_t in, out;
+  std::vector<StepQPart> q;
 };
 
 template <typename T>
@@ -57,10 +68,22 @@ inline void split(int64_t n, int tid, int nt, int64_t align, int64_t& b, int64_t
   e = std::min(n, units * (tid + 1) / nt * align);
 }
 
+// qp: the thread's own scratch for GGUF parts (each thread prepares x for itself: a few
+// microseconds, no barrier).
 template <typename T>
 inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, float* xf, int tid,
-                        int nt) {
+                        int nt, QPrepared& qp) {
   int64_t o0, o1;
+  if (!L.q.empty()) {
+    to_fp32(xf, x, L.in, rows, L.in);
+    for (const StepQPart& P : L.q) {
+      qp.fill<T>(P.t, xf, rows, L.in);
+      split(P.out, tid, nt, 1, o0, o1);
+      qlinear_range_any(y + P.col0, L.out, x, L.in, xf, rows, qp, P.t, P.w, P.row_bytes, L.in,
+                        L.bias ? L.bias + P.col0 : nullptr, o0, o1);
+    }
+    return;
+  }
   split(L.out, tid, nt, 1, o0, o1);
   if (L.int8) {
     to_fp32(xf, x, L.in, rows, L.in);
@@ -79,10 +102,11 @@ inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, floa
 template <typename T>
 inline void prefetch_slice(const StepLinear<T>& L, int tid, int nt) {
   int64_t o0, o1;
-  split(L.out, tid, nt, 1, o0, o1);
-  const int64_t es = L.int8 ? 1 : int64_t(sizeof(T));
-  const char* p = static_cast<const char*>(L.w) + o0 * L.in * es;
-  const int64_t n = std::min<int64_t>(kLinearAheadBytes, (o1 - o0) * L.in * es);
+  const bool q = !L.q.empty();  // GGUF: the first part's slice
+  split(q ? L.q[0].out : L.out, tid, nt, 1, o0, o1);
+  const int64_t row = q ? L.q[0].row_bytes : L.in * (L.int8 ? 1 : int64_t(sizeof(T)));
+  const char* p = static_cast<const char*>(q ? L.q[0].w : L.w) + o0 * row;
+  const int64_t n = std::min<int64_t>(kLinearAheadBytes, (o1 - o0) * row);
   for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 1);
 }
 
@@ -152,6 +176,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
     std::vector<float> xf(rows * widest);
+    QPrepared qp;
     thread_local AttnScratch w;
     w.reserve(D);
     int64_t r0, r1;
@@ -165,7 +190,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
                      x + r * hidden, m.norms[2 * l], hidden, m.eps, l > 0);
       prefetch_slice(L[0], tid, n);
 #pragma omp barrier
-      step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n);
+      step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n, qp);
 #pragma omp barrier
       const auto kv = step_kv<T, C>(m, l);
       if (!m.qk_norms.empty()) {  // each q and k head of this thread's rows, in place
@@ -193,20 +218,20 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
         for (int64_t g = g0; g < g1; ++g) merge_group<ND>(plan, g, att.data(), qstart, lsh);
 #pragma omp barrier
       }
-      step_linear(L[1], tmp.data(), att.data(), rows, xf.data(), tid, n);
+      step_linear(L[1], tmp.data(), att.data(), rows, xf.data(), tid, n, qp);
 #pragma omp barrier
       for (int64_t r = r0; r < r1; ++r)
         rms_norm_row(h.data() + r * hidden, tmp.data() + r * hidden, x + r * hidden,
                      m.norms[2 * l + 1], hidden, m.eps, true);
       prefetch_slice(L[2], tid, n);
 #pragma omp barrier
-      step_linear(L[2], gu.data(), h.data(), rows, xf.data(), tid, n);
+      step_linear(L[2], gu.data(), h.data(), rows, xf.data(), tid, n, qp);
 #pragma omp barrier
       for (int r = 0; r < rows; ++r)
         silu_and_mul_row(act.data() + r * I, gu.data() + r * 2 * I, I, c0, c1);
       prefetch_slice(L[3], tid, n);
 #pragma omp barrier
-      step_linear(L[3], tmp.data(), act.data(), rows, xf.data(), tid, n);
+      step_linear(L[3], tmp.data(), act.data(), rows, xf.data(), tid, n, qp);
 #pragma omp barrier
     }
     for (int64_t r = r0; r < r1; ++r)
@@ -214,7 +239,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
                    m.norms[2 * m.layers], hidden, m.eps, true);
     prefetch_slice(m.linears[4 * m.layers], tid, n);
 #pragma omp barrier
-    step_linear(m.linears[4 * m.layers], logits, h.data(), rows, xf.data(), tid, n);
+    step_linear(m.linears[4 * m.layers], logits, h.data(), rows, xf.data(), tid, n, qp);
   }
 }
 

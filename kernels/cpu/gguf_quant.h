@@ -412,6 +412,145 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// K types against x quantized to int8 (llama.cpp's approach for its K-quant dot products;
+// the code here is ours): each 256 values of an x row take one scale dx = max|x| / 127 and
+// x_q = round(x / dx). The 4-6 bit codes then meet x_q as bytes: vpmaddubsw sums code x
+// x_q over pairs into 16 bits (at most 63 * 127 * 2, no saturation), vpdpwssd multiplies
+// those by the sub-block scales (16 bits) and sums into 32-bit lanes, so a sub-block's
+// scale costs nothing per value, and one int -> float conversion a 256-value block
+// applies d dx. The offsets (-dmin m, -32 d sc) multiply the sums of the quantized x over
+// their groups (dx sum x_q), kept in fp32. About a third of the instructions of the bf16
+// lookup path: the decode loop is bound by memory again rather than by the core.
+struct XQ {
+  std::vector<int8_t> q;     // [rows, in]
+  std::vector<float> dx;     // [rows, in / 256]
+  std::vector<float> sums;   // [rows, in / 16]: dx * (sum of x_q over 16 values)
+  std::vector<float> sums32; // [rows, in / 32]
+  int64_t in = 0;
+  void fill(const float* xf, int rows, int64_t n) {
+    in = n;
+    q.resize(rows * in);
+    dx.resize(rows * (in / 256));
+    sums.resize(rows * (in / 16));
+    sums32.resize(rows * (in / 32));
+    for (int m = 0; m < rows; ++m)
+      for (int64_t b = 0; b < in / 256; ++b) {
+        const float* x = xf + m * in + b * 256;
+        __m512 amax = _mm512_setzero_ps();
+        for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+        const float mx = _mm512_reduce_max_ps(amax);
+        const float d = mx / 127.0f, inv = mx > 0 ? 127.0f / mx : 0.0f;
+        dx[m * (in / 256) + b] = d;
+        int8_t* qb = q.data() + m * in + b * 256;
+        float* sb = sums.data() + m * (in / 16) + b * 16;
+        for (int i = 0; i < 256; i += 16) {
+          const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtsepi32_epi8(v));
+          sb[i / 16] = d * float(_mm512_reduce_add_epi32(v));
+        }
+        for (int g = 0; g < 8; ++g) sums32[m * (in / 32) + b * 8 + g] = sb[2 * g] + sb[2 * g + 1];
+      }
+  }
+  const int8_t* row(int m) const { return q.data() + m * in; }
+};
+
+inline __m512i bytes_low(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+
+// The same 32 bytes in both halves of a vector, the upper half shifted right by `bits`
+// (16-bit lanes: the caller masks the bytes).
+inline __m512i halves(const uint8_t* p, int bits) {
+  const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_mask_srli_epi16(v, 0xFFFF0000u, v, bits);
+}
+
+template <int M>
+inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
+  const int64_t in = xq.in, nb = in / 256;
+  __m512 acc[M];
+  __m512 offv[M];  // the offsets: Q6_K 16 groups a lane set, Q4_K/Q5_K 8 (upper lanes 0)
+  for (int m = 0; m < M; ++m) acc[m] = offv[m] = _mm512_setzero_ps();
+  if (t == QType::Q4_K || t == QType::Q5_K) {
+    const bool five = t == QType::Q5_K;
+    // i16 lane i of chunk c's scale vector: sub-block 2c (lanes 0-15) or 2c + 1
+    const __m512i pick = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; ++b, w += five ? 176 : 144) {
+      const float d = half_at(w), dmin = half_at(w + 2);
+      uint64_t sc8, mn8;
+      k4_scales_all(w + 4, sc8, mn8);
+      const __m512i s16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(int64_t(sc8))));
+      const __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+          _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))))));
+      const uint8_t* qs = w + (five ? 48 : 16);
+      __m512i ia[M][2];
+      for (int m = 0; m < M; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) {
+        __m512i q = bytes_low(halves(qs + 32 * c, 4));
+        if (five) {  // bit 2c (lower half) or 2c + 1 (upper) of each value's qh byte
+          const __m512i h = _mm512_srli_epi16(halves(w + 16, 1), 2 * c);
+          q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
+        }
+        const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(2 * c)), s16);
+        for (int m = 0; m < M; ++m) {
+          const __m512i xv = _mm512_loadu_si512(xq.row(m) + b * 256 + 64 * c);
+          ia[m][c & 1] = _mm512_dpwssd_epi32(ia[m][c & 1], _mm512_maddubs_epi16(q, xv), sv);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const float dd = d * xq.dx[m * nb + b];
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[m][0], ia[m][1])),
+                                 _mm512_set1_ps(dd), acc[m]);
+        offv[m] = _mm512_fmadd_ps(mins, _mm512_zextps256_ps512(_mm256_loadu_ps(
+            xq.sums32.data() + m * (in / 32) + b * 8)), offv[m]);
+      }
+    }
+  } else {  // Q6_K
+    // i16 lane i of a 64-value vector: scale 4 p + i / 8 of the half (p: which pair of quarters)
+    const __m512i pick = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
+                                          1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int64_t b = 0; b < nb; ++b, w += 210) {
+      const float d = half_at(w + 208);
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
+      const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
+      const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      __m512i ia[M][2];
+      for (int m = 0; m < M; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {  // 128 values: 64 bytes of low nibbles, 32 of high pairs
+        const __m512i lq = _mm512_loadu_si512(w + 64 * h);
+        const __m512i h01 = halves(w + 128 + 32 * h, 2);  // quarters 0 and 1: bits 0-1, 2-3
+        const __m512i h23 = _mm512_srli_epi16(h01, 4);     // quarters 2 and 3: bits 4-5, 6-7
+        const __m512i top = _mm512_set1_epi8(0x30);
+        const __m512i q01 = _mm512_or_si512(bytes_low(lq), _mm512_and_si512(_mm512_slli_epi16(h01, 4), top));
+        const __m512i q23 = _mm512_or_si512(bytes_low(_mm512_srli_epi16(lq, 4)),
+                                            _mm512_and_si512(_mm512_slli_epi16(h23, 4), top));
+        const __m512i s01 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(8 * h)), s16);
+        const __m512i s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(8 * h + 4)), s16);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = xq.row(m) + b * 256 + 128 * h;
+          ia[m][0] = _mm512_dpwssd_epi32(ia[m][0], _mm512_maddubs_epi16(q01, _mm512_loadu_si512(x)), s01);
+          ia[m][1] = _mm512_dpwssd_epi32(ia[m][1], _mm512_maddubs_epi16(q23, _mm512_loadu_si512(x + 64)), s23);
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[m][0], ia[m][1])),
+                                 _mm512_set1_ps(d * xq.dx[m * nb + b]), acc[m]);
+        offv[m] = _mm512_fmadd_ps(dsc, _mm512_loadu_ps(xq.sums.data() + m * (in / 16) + b * 16), offv[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) offv[m] = _mm512_mul_ps(offv[m], _mm512_set1_ps(32.0f));
+  }
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[m], offv[m]));
+}
+
+// Whether qlinear_small takes type t through qdot_row_q8.
+inline bool qreads_q8(QType t) {
+  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K;
+}
+#else
+inline bool qreads_q8(QType) { return false; }
+#endif
+
 // Whether qlinear_small reads bf16 x as it is (qdot_row_bf16) for type t.
 template <typename T>
 inline bool qreads_bf16(QType t) {
@@ -643,7 +782,11 @@ inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat1
                           int64_t x_stride, int64_t rows, QType t, const uint8_t* w,
                           int64_t row_bytes, int64_t in, int64_t out, const c10::BFloat16* bias) {
   constexpr int kPanel = 16, kMB = 6;
+  constexpr int64_t kXBytes = 768 << 10;  // x rows a pass: within a core's L2 beside the tile
   const int64_t panels = (out + kPanel - 1) / kPanel;
+  const int64_t chunk = std::max<int64_t>(kMB, kXBytes / (in * 2) / kMB * kMB);
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {  // each pass dequantizes every panel again
+  const int64_t c1 = std::min(rows, c0 + chunk);
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<c10::BFloat16> tile(kPanel * in);
     for (int64_t p = p0; p < p1; ++p) {
@@ -653,9 +796,9 @@ inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat1
         std::memset(static_cast<void*>(tile.data() + n * in), 0, (kPanel - n) * in * 2);
       for (int64_t j = 0; j < n; j += 4) {
         const c10::BFloat16* tr = tile.data() + j * in;
-        for (int64_t m0 = 0; m0 < rows; m0 += kMB) {
+        for (int64_t m0 = c0; m0 < c1; m0 += kMB) {
           float s[kMB][4];
-          const int mb = int(std::min<int64_t>(kMB, rows - m0));
+          const int mb = int(std::min<int64_t>(kMB, c1 - m0));
           const c10::BFloat16* xm = x + m0 * x_stride;
           switch (mb) {
             case 6: tile_dot<6>(xm, x_stride, tr, in, s); break;
@@ -676,55 +819,96 @@ inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat1
       }
     }
   });
+  }
 }
 #endif
 
-// y [M, out] (row stride y_stride) = x W^T (+ bias) for a quantized W [out rows of
-// row_bytes]; xf: x in fp32.
-template <int M, typename T>
-void qlinear_small_impl(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
-                        QType t, const uint8_t* w, int64_t row_bytes, int64_t in, int64_t out,
-                        const T* bias) {
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+struct XQ {  // (CPUs without VNNI never quantize x)
+  void fill(const float*, int, int64_t) {}
+};
+#endif
+
+// What the dot products of one x (1-8 rows) need beside it, made once for every weight
+// row: the int8 form of x (K types in bf16 where the CPU has VNNI: qdot_row_q8) or the
+// sums of its fp32 copy over each group (qdot_row, qdot_row_bf16).
+struct QPrepared {
   XSums xs;
-  xs.fill(xf, M, in);
+  XQ xq;
+  bool q8 = false;
+  template <typename T>
+  void fill(QType t, const float* xf, int rows, int64_t in) {
+    q8 = std::is_same_v<T, c10::BFloat16> && qreads_q8(t);  // (fp32 runs stay exact)
+    if (q8)
+      xq.fill(xf, rows, in);
+    else
+      xs.fill(xf, rows, in);
+  }
+};
+
+// Output columns [o0, o1) of y [M, out] (row stride y_stride) = x W^T (+ bias) for a
+// quantized W [out rows of row_bytes]; xf: x in fp32, `p` filled from it for type t.
+template <int M, typename T>
+void qlinear_range(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
+                   const QPrepared& p, QType t, const uint8_t* w, int64_t row_bytes, int64_t in,
+                   const T* bias, int64_t o0, int64_t o1) {
   const bool direct = qreads_bf16<T>(t);
-  const int64_t grain = std::max<int64_t>(8, out / (4 * at::get_num_threads()));
-  at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
-      const uint8_t* wr = w + o * row_bytes;
-      prefetch_w_row(wr, row_bytes);
-      float sums[M];
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (direct) {
-          qdot_row_bf16<M>(t, wr, x, x_stride, in, xs, sums);
-          finish_rows(y, y_stride, o, sums, M, nullptr, bias);
-          continue;
-        }
-      }
-#endif
-      (void)direct;
-      (void)x;
-      (void)x_stride;
-      qdot_row<M>(t, wr, xf, in, xs, sums);
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* wr = w + o * row_bytes;
+    prefetch_w_row(wr, row_bytes);
+    float sums[M];
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (p.q8) {
+      qdot_row_q8<M>(t, wr, p.xq, sums);
       finish_rows(y, y_stride, o, sums, M, nullptr, bias);
+      continue;
     }
-  });
+#endif
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (direct) {
+        qdot_row_bf16<M>(t, wr, x, x_stride, in, p.xs, sums);
+        finish_rows(y, y_stride, o, sums, M, nullptr, bias);
+        continue;
+      }
+    }
+#endif
+    (void)direct;
+    (void)x;
+    (void)x_stride;
+    qdot_row<M>(t, wr, xf, in, p.xs, sums);
+    finish_rows(y, y_stride, o, sums, M, nullptr, bias);
+  }
 }
 
+// qlinear_range for `rows` (1-8) rows of x.
 template <typename T>
-void qlinear_small_any(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
-                       int rows, QType t, const uint8_t* w, int64_t row_bytes, int64_t in,
-                       int64_t out, const T* bias) {
+void qlinear_range_any(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
+                       int rows, const QPrepared& p, QType t, const uint8_t* w,
+                       int64_t row_bytes, int64_t in, const T* bias, int64_t o0, int64_t o1) {
   switch (rows) {
-#define TW_QCASE(M)                                                                       \
-  case M:                                                                                 \
-    return qlinear_small_impl<M>(y, y_stride, x, x_stride, xf, t, w, row_bytes, in, out, \
-                                 bias);
+#define TW_QCASE(M)                                                                        \
+  case M:                                                                                  \
+    return qlinear_range<M>(y, y_stride, x, x_stride, xf, p, t, w, row_bytes, in, bias, o0, \
+                            o1);
     TW_QCASE(1) TW_QCASE(2) TW_QCASE(3) TW_QCASE(4) TW_QCASE(5) TW_QCASE(6) TW_QCASE(7)
     TW_QCASE(8)
 #undef TW_QCASE
   }
+}
+
+// y [rows, out] (row stride y_stride) = x W^T (+ bias) for 1-8 rows of x and a quantized
+// W [out rows of row_bytes], the output rows shared among the threads; xf: x in fp32.
+template <typename T>
+void qlinear_small_any(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
+                       int rows, QType t, const uint8_t* w, int64_t row_bytes, int64_t in,
+                       int64_t out, const T* bias) {
+  QPrepared p;
+  p.fill<T>(t, xf, rows, in);
+  const int64_t grain = std::max<int64_t>(8, out / (4 * at::get_num_threads()));
+  at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
+    qlinear_range_any(y, y_stride, x, x_stride, xf, rows, p, t, w, row_bytes, in, bias, o0, o1);
+  });
 }
 
 }  // namespace tw

@@ -334,24 +334,75 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
                         const at::TensorList k_caches, const at::TensorList v_caches,
                         int64_t num_heads, double eps, at::IntArrayRef windows,
                         const at::TensorList qk_norms, int64_t rotary_dim,
-                        at::IntArrayRef rope_layers) {
+                        at::IntArrayRef rope_layers, at::IntArrayRef part_counts,
+                        at::IntArrayRef qtypes) {
   const int64_t layers = k_caches.size();
+  const size_t matmuls = scales.size();
   check(layers >= 1 && v_caches.size() == size_t(layers) && norms.size() == size_t(2 * layers + 1) &&
-            linears.size() == size_t(4 * layers + 1) && scales.size() == linears.size() &&
-            biases.size() == linears.size(),
-        "decode_step: 2L+1 norms, 4L+1 linears (scales, biases alike) and L caches");
+            matmuls == size_t(4 * layers + 1) && biases.size() == matmuls,
+        "decode_step: 2L+1 norms, 4L+1 matmuls (scales, biases alike) and L caches");
+  size_t parts = 0;
+  for (const int64_t c : part_counts) {
+    check(c >= 1, "decode_step: every matmul has a part");
+    parts += size_t(c);
+  }
+  check(part_counts.empty() ? linears.size() == matmuls
+                            : part_counts.size() == matmuls && parts == linears.size(),
+        "decode_step: one linear a matmul, or part_counts of them");
+  check(qtypes.empty() || qtypes.size() == linears.size(),
+        "decode_step: qtypes must be empty or one per linear");
+  const at::ScalarType act = norms[0].scalar_type();
+  StepModel<T> m;
+  size_t k = 0;  // linears[k]: the next part
+  for (size_t i = 0; i < matmuls; ++i) {
+    const int64_t n = part_counts.empty() ? 1 : part_counts[i];
+    const c10::optional<at::Tensor> sc = scales.get(i), b = biases.get(i);
+    StepLinear<T> L{nullptr, false, nullptr, b ? b->const_data_ptr<T>() : nullptr, 0, 0, {}};
+    if (n == 1 && (qtypes.empty() || qtypes[k] == 0)) {  // a plain or int8 weight [out, in]
+      const at::Tensor& w = linears[k++];
+      L.int8 = w.scalar_type() == at::kChar;
+      check(w.dim() == 2 && w.is_contiguous() && (L.int8 || w.scalar_type() == act) &&
+                w.size(1) % kLanes == 0,
+            "decode_step: linear weights must be contiguous [out, in], in % 16 == 0, int8 or "
+            "the activations' dtype");
+      check(L.int8 == sc.has_value(), "decode_step: int8 weights come with scales, others without");
+      L.w = w.const_data_ptr();
+      L.scale = sc ? sc->const_data_ptr<float>() : nullptr;
+      L.in = w.size(1);
+      L.out = w.size(0);
+    } else {  // GGUF block parts, stacked by rows
+      check(!sc.has_value(), "decode_step: GGUF weights take no scales");
+      for (int64_t j = 0; j < n; ++j, ++k) {
+        const at::Tensor& w = linears[k];
+        const int64_t qt = qtypes.empty() ? 0 : qtypes[k];
+        check(qtype_known(qt) && w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte,
+              "decode_step: the parts of a GGUF matmul are uint8 [out, row bytes] blocks of "
+              "Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+        const QTypeInfo info = qtype_info(QType(qt));
+        const int64_t in = w.size(1) / info.block_bytes * info.block_values;
+        check(w.size(1) % info.block_bytes == 0 && (j == 0 || in == L.in),
+              "decode_step: a GGUF matmul's parts take one input width in whole blocks");
+        L.in = in;
+        L.q.push_back({w.const_data_ptr<uint8_t>(), QType(qt), w.size(1), w.size(0), L.out});
+        L.out += w.size(0);
+      }
+    }
+    check(!b || (b->numel() == L.out && b->is_contiguous() && b->scalar_type() == act) ,
+          "decode_step: biases [out] in the activations' dtype");
+    check(!sc || (sc->numel() == L.out && sc->is_contiguous() && sc->scalar_type() == at::kFloat),
+          "decode_step: scales [out] fp32");
+    m.linears.push_back(std::move(L));
+  }
   const at::Tensor& k0 = k_caches[0];
   const bool q8 = k0.scalar_type() == at::kByte;
-  StepModel<T> m;
   m.layers = layers;
   m.hidden = norms[0].numel();
   m.heads = num_heads;
   m.kv_heads = k0.size(0);
-  m.head_dim = q8 ? linears[1].size(1) / num_heads : k0.size(3);
+  m.head_dim = q8 ? m.linears[1].in / num_heads : k0.size(3);
   m.block_size = q8 ? q8_block_size(k0, m.head_dim) : k0.size(2);
-  const at::ScalarType act = norms[0].scalar_type();
-  m.inter = linears[3].size(1);
-  m.vocab = linears[4 * layers].size(0);
+  m.inter = m.linears[3].in;
+  m.vocab = m.linears[4 * layers].out;
   m.eps = float(eps);
   check(windows.empty() || int64_t(windows.size()) == layers,
         "decode_step: windows must be empty or one per layer");
@@ -377,18 +428,6 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
           "decode_step: norm weights");
     m.norms.push_back(t.const_data_ptr<T>());
   }
-  for (size_t i = 0; i < linears.size(); ++i) {
-    const at::Tensor& w = linears[i];
-    const bool w8 = w.scalar_type() == at::kChar;
-    check(w.dim() == 2 && w.is_contiguous() && (w8 || w.scalar_type() == act) &&
-              w.size(1) % kLanes == 0,
-          "decode_step: linear weights must be contiguous [out, in], in % 16 == 0, int8 or "
-          "the activations' dtype");
-    const c10::optional<at::Tensor> sc = scales.get(i), b = biases.get(i);
-    check(w8 == sc.has_value(), "decode_step: int8 weights come with scales, others without");
-    m.linears.push_back({w.const_data_ptr(), w8, sc ? sc->const_data_ptr<float>() : nullptr,
-                         b ? b->const_data_ptr<T>() : nullptr, w.size(1), w.size(0)});
-  }
   for (int64_t l = 0; l < layers; ++l) {
     // alike but for their blocks (a windowed layer may hold fewer: HybridPool)
     const auto alike = [&](const at::Tensor& c) {
@@ -407,20 +446,15 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
   const int64_t d = m.head_dim;
   check(num_heads % m.kv_heads == 0 && num_heads / m.kv_heads <= kMaxRows,
         "decode_step: heads must be a multiple of kv_heads, at most 64 per group");
-  for (int64_t l = 0; l <= layers; ++l) {  // every layer like layer 0; bias and scale sizes
-    for (int64_t j = 0; j < (l < layers ? 4 : 1); ++j) {
-      const at::Tensor& w = linears[4 * l + j];
-      const at::Tensor& w0 = linears[l < layers ? j : 4 * layers];
-      const c10::optional<at::Tensor> sc = scales.get(4 * l + j), b = biases.get(4 * l + j);
-      check(w.sizes() == w0.sizes() && (!sc || sc->numel() == w.size(0)) &&
-                (!b || (b->numel() == w.size(0) && b->is_contiguous() &&
-                        b->scalar_type() == act)) &&
-                (!sc || (sc->is_contiguous() && sc->scalar_type() == at::kFloat)),
-            "decode_step: every layer's weights shaped like layer 0's, [out] biases and scales");
-    }
-  }
-  check(linears[0].size(0) == (num_heads + 2 * m.kv_heads) * d && linears[0].size(1) == m.hidden &&
-            linears[1].size(1) == num_heads * d && linears[2].size(0) == 2 * m.inter &&
+  for (int64_t l = 0; l < layers; ++l)  // every layer like layer 0
+    for (int64_t j = 0; j < 4; ++j)
+      check(m.linears[4 * l + j].in == m.linears[j].in &&
+                m.linears[4 * l + j].out == m.linears[j].out,
+            "decode_step: every layer's weights shaped like layer 0's");
+  const auto& L = m.linears;
+  check(L[0].out == (num_heads + 2 * m.kv_heads) * d && L[0].in == m.hidden &&
+            L[1].in == num_heads * d && L[1].out == m.hidden && L[2].in == m.hidden &&
+            L[2].out == 2 * m.inter && L[3].out == m.hidden && L[4 * layers].in == m.hidden &&
             d % (2 * kLanes) == 0 && m.hidden % kLanes == 0 && m.inter % kLanes == 0,
         "decode_step: layer shapes");
   return m;
@@ -469,7 +503,8 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
                  const c10::List<c10::optional<at::Tensor>>& scales,
                  const c10::List<c10::optional<at::Tensor>>& biases, double eps, double scale,
                  int64_t num_heads, at::IntArrayRef windows, at::TensorList qk_norms,
-                 int64_t rotary_dim, at::IntArrayRef rope_layers) {
+                 int64_t rotary_dim, at::IntArrayRef rope_layers, at::IntArrayRef part_counts,
+                 at::IntArrayRef qtypes) {
   const int64_t rows = x.size(0), num_seqs = seq_lens.size(0);
   check(rows >= 1 && rows <= kMaxLinearRows, "decode_step takes 1 to 8 query tokens");
   check(x.is_contiguous() && logits.is_contiguous() && logits.size(0) == rows &&
@@ -498,7 +533,7 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
   const bool q8 = !k_caches.empty() && k_caches[0].scalar_type() == at::kByte;
   if (x.scalar_type() == at::kFloat) {
     auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps,
-                               windows, qk_norms, rotary_dim, rope_layers);
+                               windows, qk_norms, rotary_dim, rope_layers, part_counts, qtypes);
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.rotary_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<float>(logits, x, positions, slot_mapping, block_table, seq_lens,
@@ -506,7 +541,7 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
   } else if (x.scalar_type() == at::kBFloat16) {
     auto m = step_model<c10::BFloat16>(norms, linears, scales, biases, k_caches, v_caches,
                                        num_heads, eps, windows, qk_norms, rotary_dim,
-                                       rope_layers);
+                                       rope_layers, part_counts, qtypes);
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.rotary_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<c10::BFloat16>(logits, x, positions, slot_mapping, block_table, seq_lens,
@@ -587,7 +622,8 @@ TORCH_LIBRARY(tidewire, m) {
         "Tensor block_table, Tensor seq_lens, Tensor query_start, Tensor cos, Tensor sin, "
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor[] norms, Tensor[] linears, "
         "Tensor?[] scales, Tensor?[] biases, float eps, float scale, int num_heads, "
-        "int[] windows, Tensor[] qk_norms, int rotary_dim=0, int[] rope_layers=[]) -> ()",
+        "int[] windows, Tensor[] qk_norms, int rotary_dim=0, int[] rope_layers=[], "
+        "int[] part_counts=[], int[] qtypes=[]) -> ()",
         &tw::decode_step);
   m.def("linear_small(Tensor(a!) out, Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> ()",
         &tw::linear_small);
