@@ -64,17 +64,19 @@ def tiled_table(out_f: int, in_f: int, repeat: int) -> dict:
 
     for rows in (1, 2, 4, 6, 8, 16, 32, 64, 128, 256, 512):
         x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
-        line = {"bf16": ms(lambda: dense(x))}
+        line = {"bf16": ms(lambda x=x: dense(x))}
         for qtype, name in NAMES.items():
             w = weights[qtype]
             lin = GGUFLinear([w], None, torch.bfloat16)
             y = torch.empty(rows, out_f, dtype=torch.bfloat16)
             if rows <= 8:
-                line[f"{name} small"] = ms(lambda: cpu_ops.gguf_linear_small(x, w.data, qtype))
+                line[f"{name} small"] = ms(
+                    lambda x=x, w=w, t=qtype: cpu_ops.gguf_linear_small(x, w.data, t))
             if rows <= 256:
-                line[f"{name} tiled"] = ms(lambda: cpu_ops.gguf_linear_tiled(x, w.data, qtype))
+                line[f"{name} tiled"] = ms(
+                    lambda x=x, w=w, t=qtype: cpu_ops.gguf_linear_tiled(x, w.data, t))
             if rows >= 4:
-                line[f"{name} dense"] = ms(lambda: lin._dense(x, w, y))
+                line[f"{name} dense"] = ms(lambda x=x, w=w, lin=lin, y=y: lin._dense(x, w, y))
         table[rows] = {k: round(v, 3) for k, v in line.items()}
         print(f"rows {rows:3d}: " + "  ".join(
             f"{k} {v:.2f}" + ("" if k == "bf16" else f" ({line['bf16'] / v:.2f}x)")
