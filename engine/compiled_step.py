@@ -6,8 +6,9 @@ overhead rivalled the time spent reading the weights. `torch.ops.tidewire.decode
 (kernels/cpu/decode_step.h) runs the whole stack, final norm and LM head included, in
 one parallel region with barriers between phases, on the model's own weights (bf16,
 int8, or GGUF blocks as the file stores them) and KV cache (nothing is copied or
-captured: the "buckets" are every batch size from 1 to `max_rows`). A sequence may bring several query tokens (a decode verifying speculative
-proposals, a short chunk): up to 8 in all. Larger steps run eagerly: past a
+captured: the "buckets" are every batch size from 1 to `max_rows`). A sequence may
+bring several query tokens (a decode verifying speculative proposals, a short chunk): up
+to 8 in all. Larger steps run eagerly: past a
 few rows the oneDNN matmuls of the eager path are the faster ones.
 """
 
