@@ -24,6 +24,12 @@ SHAPES: dict[str, tuple[str, dict]] = {
         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
         max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0,
         bos_token_id=1, eos_token_id=2)),
+    # Llama-3.2-3B (GQA 24/8, head_dim 128, tied embeddings)
+    "llama-3b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=500000.0,
+        bos_token_id=1, eos_token_id=2)),
     # Qwen3-1.7B (q/k norms, head_dim 128)
     "qwen3-1.7b": ("Qwen3Config", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,

@@ -86,6 +86,11 @@ class CompiledDecodeStep:
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
         self.steps = 0  # decode steps run here (tests check which path ran)
+        # GGUF: past the rows where a type's small-batch kernel leads (GGUFLinear.small_rows),
+        # the eager path's tiled kernel is the faster one
+        if gguf:
+            self.max_rows = min([self.max_rows] + [GGUFLinear.small_rows[t] for t in self.qtypes
+                                                   if t])
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of this many query tokens runs here (its sequences may have

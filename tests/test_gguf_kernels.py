@@ -1,8 +1,9 @@
 """The compiled kernels for GGUF block-quantized weights (kernels/cpu/gguf_quant.h)
-against the `gguf` package's own dequantizer: x W^T for 1-8 rows equals x times the
-dequantized W in fp32 to rounding, for every block type, on random blocks (any bytes
-with finite scales are valid blocks) and odd output sizes; dequantized rows equal the
-package's bit for bit."""
+against the `gguf` package's own dequantizer: x W^T for 1-8 rows (gguf_linear_small) and
+for any number of bf16 rows (gguf_linear_tiled) equals x times the dequantized W in fp32
+to rounding (of bf16 x; of its int8 form for the K types in bf16 on a CPU with VNNI), for
+every block type, on random blocks (any bytes with finite scales are valid blocks) and odd
+output sizes; dequantized rows equal the package's bit for bit."""
 
 from __future__ import annotations
 

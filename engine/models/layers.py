@@ -101,8 +101,8 @@ class GGUFLinear:
     given as parts stacked by rows (q/k/v, gate/up: a Q4_K_M file stores some of them in
     Q4_K, others in Q6_K), each a QuantWeight or a plain matrix.
 
-    Up to `small_rows` rows (decode; Q6_K: `small_rows_q6k`) stream each part's blocks
-    once through cpu_ops.gguf_linear_small, which never dequantizes them. Decode batches
+    Up to `small_rows[type]` rows (decode) stream each part's blocks once through
+    cpu_ops.gguf_linear_small, which never dequantizes them. Decode batches
     of up to `tiled_rows` bf16 rows, where the CPU has AVX512-BF16, take
     cpu_ops.gguf_linear_tiled: 16 weight rows at a time dequantized into a cache-resident
     tile that every row of x meets (one dequantization a weight a call; 0.87x the packed
@@ -112,8 +112,9 @@ class GGUFLinear:
     GEMM sees its usual operands. (Thresholds measured with `python -m bench.gguf_kernels
     --tiled` on a Zen 4.)"""
 
-    small_rows = 4
-    small_rows_q6k = 6  # Q6_K's tile is dequantized without the lookup tables: slower
+    # by block type (ggml's ids): the K types' small-batch kernel takes x in int8 and
+    # stays ahead of the tiled one to 8 rows; Q4_0/Q4_1's (bf16 lookups) only to 2
+    small_rows = {2: 2, 3: 2, 8: 4, 12: 8, 13: 8, 14: 8}
     tiled_rows = 96
     tile_bytes = 4 << 20
     _tiles = threading.local()  # one tile buffer a thread, shared by every GGUFLinear
@@ -148,7 +149,7 @@ class GGUFLinear:
             dest = out[:, o : o + rows]
             if not isinstance(p, QuantWeight):
                 dest.copy_(F.linear(x, p))
-            elif 0 < n <= (self.small_rows_q6k if p.qtype == 14 else self.small_rows):
+            elif 0 < n <= self.small_rows[p.qtype]:
                 cpu_ops.gguf_linear_small(x, p.data, p.qtype, None, out=dest)
             elif tiled and 0 < n <= self.tiled_rows:
                 cpu_ops.gguf_linear_tiled(x, p.data, p.qtype, None, out=dest)
