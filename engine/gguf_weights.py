@@ -16,6 +16,7 @@ block rows move as they are).
 
 from __future__ import annotations
 
+import mmap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,7 +121,8 @@ def load(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tenso
         warnings.simplefilter("ignore", UserWarning)
         # the whole file as one tensor: matrices are slices of it (so that neighbours can
         # be joined into one view, QuantWeight.joined)
-        whole = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="r"))
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+        whole = torch.from_numpy(mapped)
     out: dict[str, Any] = {}
     for t in reader.tensors:
         name = t.name
@@ -137,11 +139,23 @@ def load(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tenso
         if arch in gguf_reader._PERMUTED and name.startswith("blk.") and (
                 ".attn_q." in name or ".attn_k." in name):
             w = _unpermute(w, num_heads if ".attn_q." in name else num_kv_heads)
+            if isinstance(w, QuantWeight):  # a copy in HF's row order: the mapped rows,
+                _release(mapped, int(t.data_offset), int(t.n_bytes))  # read once, go
         if isinstance(w, QuantWeight):
             out.update(_named(arch, name, w))
         else:
             out.update(gguf_reader._hf_names(arch, name, w))
     return out
+
+
+def _release(mapped: np.memmap, start: int, size: int) -> None:
+    """Drop the pages of [start, start + size) of the file's map from this process (they
+    stay in the page cache, and would read back from the file if touched): the bytes of a
+    matrix that was copied out of the map, so that its rows do not count twice."""
+    page = mmap.PAGESIZE
+    a, b = -(-start // page) * page, (start + size) // page * page
+    if b > a:
+        mapped._mmap.madvise(mmap.MADV_DONTNEED, a, b - a)  # type: ignore[attr-defined]
 
 
 def _named(arch: str, name: str, w: QuantWeight) -> dict[str, QuantWeight]:
