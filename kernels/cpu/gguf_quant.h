@@ -620,10 +620,15 @@ inline bool dequant_row_tables(QType t, const uint8_t* p, int64_t in, c10::BFloa
         const float d = half_at(p), dmin = half_at(p + 2);
         const __m512i h = five ? widen32(p + 16) : _mm512_setzero_si512();
         const uint8_t* qs = p + (five ? 48 : 16);
+        uint64_t sc8, mn8;  // the 8 sub-blocks' d sc and dmin m, in vectors (no scalar
+        k4_scales_all(p + 4, sc8, mn8);  // work per sub-block: it bounded this loop)
+        float f[8], o[8];
+        _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))))));
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
+            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))))));
         for (int c = 0; c < 4; ++c) {
-          int s1, m1, s2, m2;
-          k4_scale_min(2 * c, p + 4, s1, m1);
-          k4_scale_min(2 * c + 1, p + 4, s2, m2);
+          const float f1 = f[2 * c], o1 = o[2 * c], f2 = f[2 * c + 1], o2 = o[2 * c + 1];
           const __m512i q = widen32(qs + 32 * c);
           __m512i lo = _mm512_and_si512(q, nib), hi = _mm512_srli_epi16(q, 4);
           c10::BFloat16* yc = y + 256 * b + 64 * c;
@@ -633,11 +638,11 @@ inline bool dequant_row_tables(QType t, const uint8_t* p, int64_t in, c10::BFloa
                 _mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
             hi = _mm512_or_si512(hi, _mm512_slli_epi16(
                 _mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
-            store32(yc, table_values32(lo, d * float(s1), dmin * float(m1)));
-            store32(yc + 32, table_values32(hi, d * float(s2), dmin * float(m2)));
+            store32(yc, table_values32(lo, f1, o1));
+            store32(yc + 32, table_values32(hi, f2, o2));
           } else {
-            store32(yc, table_values(lo, d * float(s1), dmin * float(m1)));
-            store32(yc + 32, table_values(hi, d * float(s2), dmin * float(m2)));
+            store32(yc, table_values(lo, f1, o1));
+            store32(yc + 32, table_values(hi, f2, o2));
           }
         }
       }
