@@ -113,6 +113,15 @@ inline void k4_scales_all(const uint8_t* s, uint64_t& sc, uint64_t& mn) {
   mn = uint64_t(m03) | (uint64_t(m47) << 32);
 }
 
+#if defined(__AVX2__)
+// f times the 8 bytes of v (k4_scales_all's scales or mins) in fp32: each sub-block's
+// d sc, or dmin m.
+inline __m256 k4_times(float f, uint64_t v) {
+  return _mm256_mul_ps(_mm256_set1_ps(f), _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(v)))));
+}
+#endif
+
 // Sums of each x row over every 16 values, and over every 32 (the groups' offsets
 // multiply them).
 struct XSums {
@@ -341,10 +350,8 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
         uint64_t sc8, mn8;
         k4_scales_all(w + 4, sc8, mn8);
         float f[8];  // each sub-block's d sc
-        _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))))));
-        const __m256 mins = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8)))));  // each one's dmin m
+        _mm256_storeu_ps(f, k4_times(d, sc8));
+        const __m256 mins = k4_times(dmin, mn8);  // each one's dmin m
         for (int m = 0; m < M; ++m)
           offv[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xs.at32(m, b * 8)), offv[m]);
         for (int c = 0; c < 4; ++c) {
@@ -480,8 +487,7 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
       uint64_t sc8, mn8;
       k4_scales_all(w + 4, sc8, mn8);
       const __m512i s16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(int64_t(sc8))));
-      const __m512 mins = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
-          _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))))));
+      const __m512 mins = _mm512_zextps256_ps512(k4_times(dmin, mn8));
       const uint8_t* qs = w + (five ? 48 : 16);
       __m512i ia[M][2];
       for (int m = 0; m < M; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
@@ -623,10 +629,8 @@ inline bool dequant_row_tables(QType t, const uint8_t* p, int64_t in, c10::BFloa
         uint64_t sc8, mn8;  // the 8 sub-blocks' d sc and dmin m, in vectors (no scalar
         k4_scales_all(p + 4, sc8, mn8);  // work per sub-block: it bounded this loop)
         float f[8], o[8];
-        _mm256_storeu_ps(f, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc8))))));
-        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(
-            _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn8))))));
+        _mm256_storeu_ps(f, k4_times(d, sc8));
+        _mm256_storeu_ps(o, k4_times(dmin, mn8));
         for (int c = 0; c < 4; ++c) {
           const float f1 = f[2 * c], o1 = o[2 * c], f2 = f[2 * c + 1], o2 = o[2 * c + 1];
           const __m512i q = widen32(qs + 32 * c);
