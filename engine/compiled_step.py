@@ -14,6 +14,8 @@ few rows the oneDNN matmuls of the eager path are the faster ones.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -29,14 +31,20 @@ def _weight(lin: object) -> tuple[list[torch.Tensor], list[int], torch.Tensor | 
     if isinstance(lin, Int8Linear):
         return [lin.q], [0], lin.scale
     if isinstance(lin, GGUFLinear):  # blocks as stored, a part per block type
-        # (Platform.plan chooses this step only where every part is GGUF blocks)
-        assert all(isinstance(p, QuantWeight) for p in lin.parts)
+        assert all(isinstance(p, QuantWeight) for p in lin.parts)  # (reads: only then)
         return [p.data for p in lin.parts], [p.qtype for p in lin.parts], None
     # Platform.plan chooses this step only for weights it can read
     assert isinstance(lin, Linear), f"the compiled step cannot read a {type(lin).__name__}"
     plain = lin.plain_weight
     assert plain is not None, "a packed weight with no plain copy"
     return [plain], [0], None
+
+
+def _matmuls(model: DecoderModel) -> list[Any]:
+    """The matmuls the step runs, in its order: each layer's q/k/v, o, gate/up and down,
+    then the LM head."""
+    return [m for layer in model.layers
+            for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)] + [model.lm_head]
 
 
 def _readable(lin: object) -> bool:
@@ -57,16 +65,13 @@ class CompiledDecodeStep:
         """Whether every matmul's weight is one the step reads: Platform.plan decides by
         the quantization, but a GGUF file may keep a matrix in a type of its own (F16,
         Q5_0, ...), loaded as a plain part; such a model decodes eagerly."""
-        return all(_readable(m) for layer in model.layers
-                   for m in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down)) and \
-            _readable(model.lm_head)
+        return all(_readable(m) for m in _matmuls(model))
 
     def __init__(self, model: DecoderModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         self.model = model
         self.norms = [n for layer in model.layers for n in (layer.input_norm, layer.post_norm)]
         self.norms.append(model.norm)
-        matmuls = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.mlp.gate_up,
-                                                         layer.mlp.down)] + [model.lm_head]
+        matmuls = _matmuls(model)
         read = [_weight(m) for m in matmuls]
         self.weights = [w for parts, _, _ in read for w in parts]
         self.scales = [s for _, _, s in read]
