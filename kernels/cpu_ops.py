@@ -194,8 +194,11 @@ def gguf_linear_small(x: torch.Tensor, weight: torch.Tensor, qtype: int,
 
 def gguf_tiled() -> bool:
     """Whether gguf_linear_tiled runs here: the compiled kernels on a CPU with
-    AVX512-BF16 (they are built with -march=native)."""
-    return available() and "avx512_bf16" in set(_cpu_identity().split())
+    AVX512-BF16 (they are built with -march=native). Decided once (every GGUF matmul
+    asks)."""
+    if "tiled" not in _state:
+        _state["tiled"] = available() and "avx512_bf16" in set(_cpu_identity().split())
+    return bool(_state["tiled"])
 
 
 def gguf_linear_tiled(x: torch.Tensor, weight: torch.Tensor, qtype: int,
