@@ -201,15 +201,31 @@ def gguf_tiled() -> bool:
     return bool(_state["tiled"])
 
 
+def amx(allow: bool | None = None) -> bool:
+    """Whether the compiled kernels multiply on AMX tiles (the CPU has AMX-BF16 and Linux
+    granted this process the tile state: kernels/cpu/amx.h). `allow` False or True turns
+    their use off or back on first (tests reach the AVX-512 paths on an AMX CPU);
+    TIDEWIRE_CPU_AMX=0 turns it off for the process."""
+    if allow is None and "amx" in _state:  # (asked by every GGUF matmul)
+        return bool(_state["amx"])
+    if allow is None:  # the first question: TIDEWIRE_CPU_AMX=0 keeps them off
+        allow = os.environ.get("TIDEWIRE_CPU_AMX", "1") not in ("0", "false", "")
+    _state["amx"] = available() and bool(torch.ops.tidewire.cpu_amx(int(allow)))
+    return bool(_state["amx"])
+
+
 def gguf_linear_tiled(x: torch.Tensor, weight: torch.Tensor, qtype: int,
                       bias: torch.Tensor | None = None,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """gguf_linear_small for bf16 x with any number of rows (where gguf_tiled()): the
-    weight rows are dequantized 16 at a time into a bf16 tile that stays in cache while
-    every row of x is multiplied with it (vdpbf16ps, fp32 sums), so a batch pays one
-    dequantization a weight and reads the 4-bit weights once."""
+    weight rows are dequantized a few at a time into a bf16 tile that stays in cache while
+    every row of x is multiplied with it (fp32 sums), so a batch pays one dequantization
+    a weight and reads the 4-bit weights once. Where amx(): 32 rows a tile, multiplied on
+    AMX tiles while the next part of the tile is dequantized; else 16 rows a tile and
+    vdpbf16ps."""
     if out is None:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
+    amx()  # (TIDEWIRE_CPU_AMX read before the first call)
     torch.ops.tidewire.gguf_linear_tiled(out, x, weight, qtype, bias)
     return out
 

@@ -61,21 +61,43 @@ def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int,
     assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
     torch.testing.assert_close(wide[:, 5 : 5 + out].float(), x.float() @ ref.T,
                                atol=2e-2 * (x.float() @ ref.T).abs().max().item(), rtol=2e-2)
+    if qtype in (2, 3):  # Q4_0/Q4_1 rows not a multiple of 64 (bf16: x stays bf16)
+        blocks = random_blocks(qtype, out, 96, seed=300 + qtype)
+        ref = dequantized(blocks, qtype, 96)
+        x = torch.randn(2, 96, generator=g).to(dtype)
+        got = cpu_ops.gguf_linear_small(x, torch.from_numpy(blocks), qtype)
+        want = x.float() @ ref.T
+        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(),
+                                   rtol=2e-2)
 
 
 @pytest.mark.skipif(not cpu_ops.gguf_tiled(), reason="gguf_linear_tiled needs AVX512-BF16")
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
 @pytest.mark.parametrize("qtype", sorted(NAMES), ids=lambda t: NAMES[t])
-def test_gguf_linear_tiled_equals_the_dequantized_matmul(qtype: int) -> None:
-    """Any number of rows (the 6-row blocks and their tails) against a weight whose row
+def test_gguf_linear_tiled_equals_the_dequantized_matmul(qtype: int, amx: bool) -> None:
+    """Any number of rows (the AVX-512 path's 6-row blocks, AMX's 16-row blocks in groups
+    of 4, their tails, and more rows than one pass of x takes) against a weight whose row
     count leaves a partial last panel and a partial group of 4: x times the bf16
     dequantized W, summed in fp32, to rounding; bias added; a column slice as output."""
+    if amx and not cpu_ops.amx():
+        pytest.skip("AMX: not on this CPU, or Linux refused this process the tile state")
+    was = cpu_ops.amx()
+    try:
+        cpu_ops.amx(amx)
+        assert cpu_ops.amx() == amx
+        _tiled_against_dequantized(qtype)
+    finally:
+        cpu_ops.amx(was)
+
+
+def _tiled_against_dequantized(qtype: int) -> None:
     cols, out = 512, 37
     blocks = random_blocks(qtype, out, cols, seed=200 + qtype)
     w = torch.from_numpy(blocks)
     ref = dequantized(blocks, qtype, cols).to(torch.bfloat16).float()  # what the tile holds
     bias = torch.randn(out).to(torch.bfloat16)
     g = torch.Generator().manual_seed(qtype)
-    for rows in (1, 5, 6, 7, 13, 64):
+    for rows in (1, 5, 6, 7, 13, 64, 70, 1100):
         x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
         want = x.float() @ ref.T + bias.float()
         got = cpu_ops.gguf_linear_tiled(x, w, qtype, bias)

@@ -104,18 +104,20 @@ class GGUFLinear:
     Up to `small_rows[type]` rows (decode) stream each part's blocks once through
     cpu_ops.gguf_linear_small, which never dequantizes them. Decode batches
     of up to `tiled_rows` bf16 rows, where the CPU has AVX512-BF16, take
-    cpu_ops.gguf_linear_tiled: 16 weight rows at a time dequantized into a cache-resident
-    tile that every row of x meets (one dequantization a weight a call; 0.87x the packed
-    bf16 GEMM at 64 rows, 1.0-2.4x the path below). Bigger batches (prefill chunks), and
-    fp32 or other CPUs, dequantize a part `tile_bytes` of the activations' dtype at a time
-    into one reused buffer for the dense GEMM: the weights stay 4-8 bits in memory, the
-    GEMM sees its usual operands. (Thresholds measured with `python -m bench.gguf_kernels
-    --tiled` on a Zen 4.)"""
+    cpu_ops.gguf_linear_tiled: a few weight rows at a time dequantized into a
+    cache-resident tile that every row of x meets (one dequantization a weight a call).
+    Bigger batches (prefill chunks), and fp32 or other CPUs, dequantize a part
+    `tile_bytes` of the activations' dtype at a time into one reused buffer for the dense
+    GEMM: the weights stay 4-8 bits in memory, the GEMM sees its usual operands.
+    (Thresholds measured with `python -m bench.gguf_kernels --tiled`: on a Zen 4 without
+    AMX the tiled kernel leads the dense path to ~96 rows, 0.87x the packed bf16 GEMM at
+    64; on a Xeon with AMX, whose tiled kernel multiplies on the matrix unit, to 256.)"""
 
     # by block type (ggml's ids): the K types' small-batch kernel takes x in int8 and
     # stays ahead of the tiled one to 8 rows; Q4_0/Q4_1's (bf16 lookups) only to 2
     small_rows = {2: 2, 3: 2, 8: 4, 12: 8, 13: 8, 14: 8}
     tiled_rows = 96
+    tiled_rows_amx = 256
     tile_bytes = 4 << 20
     _tiles = threading.local()  # one tile buffer a thread, shared by every GGUFLinear
 
@@ -143,6 +145,7 @@ class GGUFLinear:
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
         n = x.shape[0]
         tiled = x.dtype == torch.bfloat16 and cpu_ops.gguf_tiled()
+        most = self.tiled_rows_amx if tiled and cpu_ops.amx() else self.tiled_rows
         o = 0
         for p in self.parts:
             rows = int(p.shape[0])
@@ -151,7 +154,7 @@ class GGUFLinear:
                 dest.copy_(F.linear(x, p))
             elif 0 < n <= self.small_rows[p.qtype]:
                 cpu_ops.gguf_linear_small(x, p.data, p.qtype, None, out=dest)
-            elif tiled and 0 < n <= self.tiled_rows:
+            elif tiled and 0 < n <= most:
                 cpu_ops.gguf_linear_tiled(x, p.data, p.qtype, None, out=dest)
             else:
                 self._dense(x, p, dest)

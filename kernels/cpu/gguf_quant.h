@@ -28,6 +28,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include "amx.h"
 #include "linear.h"
 #include "vec.h"
 
@@ -431,32 +432,36 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
 // lookup path: the decode loop is bound by memory again rather than by the core.
 struct XQ {
   std::vector<int8_t> q;     // [rows, in]
-  std::vector<float> dx;     // [rows, in / 256]
+  std::vector<float> dx;     // [rows, in / group]
   std::vector<float> sums;   // [rows, in / 16]: dx * (sum of x_q over 16 values)
   std::vector<float> sums32; // [rows, in / 32]
-  int64_t in = 0;
-  void fill(const float* xf, int rows, int64_t n) {
+  int64_t in = 0, group = 256;
+  // group: the values that share a scale (256 for the K types, 64 for Q4_0/Q4_1)
+  void fill(const float* xf, int rows, int64_t n, int64_t g = 256) {
     in = n;
+    group = g;
+    const int64_t ng = in / group;
     q.resize(rows * in);
-    dx.resize(rows * (in / 256));
+    dx.resize(rows * ng);
     sums.resize(rows * (in / 16));
     sums32.resize(rows * (in / 32));
     for (int m = 0; m < rows; ++m)
-      for (int64_t b = 0; b < in / 256; ++b) {
-        const float* x = xf + m * in + b * 256;
+      for (int64_t b = 0; b < ng; ++b) {
+        const float* x = xf + m * in + b * group;
         __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+        for (int i = 0; i < group; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
         const float mx = _mm512_reduce_max_ps(amax);
         const float d = mx / 127.0f, inv = mx > 0 ? 127.0f / mx : 0.0f;
-        dx[m * (in / 256) + b] = d;
-        int8_t* qb = q.data() + m * in + b * 256;
-        float* sb = sums.data() + m * (in / 16) + b * 16;
-        for (int i = 0; i < 256; i += 16) {
+        dx[m * ng + b] = d;
+        int8_t* qb = q.data() + m * in + b * group;
+        float* sb = sums.data() + m * (in / 16) + b * (group / 16);
+        for (int i = 0; i < group; i += 16) {
           const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtsepi32_epi8(v));
           sb[i / 16] = d * float(_mm512_reduce_add_epi32(v));
         }
-        for (int g = 0; g < 8; ++g) sums32[m * (in / 32) + b * 8 + g] = sb[2 * g] + sb[2 * g + 1];
+        for (int64_t k = 0; k < group / 32; ++k)
+          sums32[m * (in / 32) + b * (group / 32) + k] = sb[2 * k] + sb[2 * k + 1];
       }
   }
   const int8_t* row(int m) const { return q.data() + m * in; }
@@ -471,8 +476,46 @@ inline __m512i halves(const uint8_t* p, int bits) {
   return _mm512_mask_srli_epi16(v, 0xFFFF0000u, v, bits);
 }
 
+// qdot_row_q8 for Q4_0/Q4_1 against x quantized per 64 values: two blocks (64 values)
+// a step, their nibbles spread into one vector of 64 codes in value order, `vpdpbusd`
+// with x's bytes to 32-bit sums, lanes 0-7 the first block's and 8-15 the second's, scaled by d times dx in fp32; the offsets (+m, or -8 d) times dx sum(x_q) of
+// each block.
+template <int M>
+inline void qdot_row_q4(QType t, const uint8_t* w, const XQ& xq, float* sums) {
+  const bool one = t == QType::Q4_1;
+  const int64_t in = xq.in, bs = one ? 20 : 18, qo = one ? 4 : 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[M];
+  float off[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm512_setzero_ps();
+    off[m] = 0.0f;
+  }
+  for (int64_t b = 0; b < in / 32; b += 2, w += 2 * bs) {
+    const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + qo));
+    const __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + bs + qo));
+    __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(qa), qa, 1);
+    v = _mm512_inserti32x4(_mm512_inserti32x4(v, qb, 2), qb, 3);
+    // 128-bit lanes 1 and 3 (16-bit lanes 8-15, 24-31): the high nibbles, values 16-31
+    const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4), nib);
+    const float da = half_at(w), db = half_at(w + bs);
+    const __m512 wd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(da), _mm512_set1_ps(db));
+    const float oa = one ? half_at(w + 2) : -8.0f * da, ob = one ? half_at(w + bs + 2) : -8.0f * db;
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xq.row(m) + 32 * b);
+      const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+      const float dx = xq.dx[m * (in / 64) + b / 2];
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, _mm512_set1_ps(dx)), acc[m]);
+      const float* s32 = xq.sums32.data() + m * (in / 32) + b;
+      off[m] += oa * s32[0] + ob * s32[1];
+    }
+  }
+  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]) + off[m];
+}
+
 template <int M>
 inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
+  if (t == QType::Q4_0 || t == QType::Q4_1) return qdot_row_q4<M>(t, w, xq, sums);
   const int64_t in = xq.in, nb = in / 256;
   __m512 acc[M];
   __m512 offv[M];  // the offsets: Q6_K 16 groups a lane set, Q4_K/Q5_K 8 (upper lanes 0)
@@ -549,12 +592,18 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
   for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[m], offv[m]));
 }
 
-// Whether qlinear_small takes type t through qdot_row_q8.
-inline bool qreads_q8(QType t) {
-  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K;
+// Whether qlinear_small takes type t through qdot_row_q8 for rows of `in` values (Q4_0 and
+// Q4_1 take x quantized per 64 values: rows of a multiple of 64).
+inline bool qreads_q8(QType t, int64_t in) {
+  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K ||
+         ((t == QType::Q4_0 || t == QType::Q4_1) && in % 64 == 0);
 }
+
+// The values x is quantized by for type t (qdot_row_q8).
+inline int64_t q8_group(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 ? 64 : 256; }
 #else
-inline bool qreads_q8(QType) { return false; }
+inline bool qreads_q8(QType, int64_t) { return false; }
+inline int64_t q8_group(QType) { return 256; }
 #endif
 
 // Whether qlinear_small reads bf16 x as it is (qdot_row_bf16) for type t.
@@ -817,9 +866,175 @@ inline void tile_dot(const c10::BFloat16* x, int64_t x_stride, const c10::BFloat
 // cache while every row of x is multiplied with it. The 4-bit weights are read once a
 // call, the tile costs one dequantization per weight for all the rows, and nothing the
 // size of the matrix is ever written.
+#if defined(TW_AMX)
+// Rows [0, rows) of x as AMX B tiles, one 1 KB tile per 16 rows (block b) and 32 values
+// (chunk c), at index c * blocks + b (a chunk's blocks side by side): tile row kp holds for each x row m the pair
+// x[m][32 c + 2 kp], x[m][32 c + 2 kp + 1] (the matrix unit's pair-interleaved layout: a
+// 16 x 16 transpose of 32-bit pairs); rows past `rows` are zeros.
+inline void amx_pack_x(const c10::BFloat16* x, int64_t x_stride, int64_t rows, int64_t in,
+                       uint32_t* out) {
+  const int64_t kc = in / 32, blocks = (rows + 15) / 16;
+  at::parallel_for(0, blocks * kc, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t c = i / blocks, b = i % blocks;
+      uint32_t* tile = out + i * 256;
+      for (int m = 0; m < 16; ++m) {
+        uint32_t pairs[16] = {};
+        if (b * 16 + m < rows) std::memcpy(pairs, x + (b * 16 + m) * x_stride + 32 * c, 64);
+        for (int kp = 0; kp < 16; ++kp) tile[kp * 16 + m] = pairs[kp];
+      }
+    }
+  });
+}
+
+// Dequantization of a 32-row weight panel into its bf16 tile (row stride ld), by pieces
+// of 256 values (a K block, or 8 blocks of 32) and a few rows at a time, so that it can be
+// spread between the matrix unit's products of the piece before.
+struct PanelDequant {
+  QType t;
+  QTypeInfo info;
+  const uint8_t* w;  // the panel's first row
+  int64_t row_bytes, n, in, ld;  // n: the panel's rows (the rest of the tile stays zero)
+  c10::BFloat16* tile;
+  static constexpr int64_t kPiece = 256;
+  int64_t pieces() const { return (in + kPiece - 1) / kPiece; }
+  void rows(int64_t piece, int64_t r0, int64_t r1) const {
+    const int64_t v0 = piece * kPiece, len = std::min(kPiece, in - v0);
+    for (int64_t r = r0; r < std::min(r1, n); ++r)
+      dequant_row(t, w + r * row_bytes + v0 / info.block_values * info.block_bytes, len,
+                  tile + r * ld + v0);
+  }
+};
+
+// A 32-row dequantized weight tile (bf16, row stride `ld`: rows 0-15 the A operand of
+// tile 4, rows 16-31 of tile 5) against NB (1 or 2) blocks of 16 x rows (the B operands,
+// tiles 6 and 7; xp: the first block's packed tiles, `blocks` tiles a chunk). C tiles 0-3
+// hold (weight half h, x block b) at 2 b + h, fp32 [16 weight rows][16 x rows], stored
+// into cbuf in that order. Each loaded tile feeds two products and the four accumulators
+// are independent: no tile register is loaded again while a product still reads it.
+// With `deq`, the tile is dequantized on the way: piece 0 first, then after each 32-value
+// chunk's products 4 rows of the next piece, which the core does while the matrix unit
+// multiplies (the two overlap instead of taking turns).
+template <int NB>
+inline void amx_panel(const c10::BFloat16* wt, int64_t in, int64_t ld, const uint32_t* xp,
+                      int64_t blocks, float* cbuf, const PanelDequant* deq) {
+  const int64_t kc = in / 32;
+  constexpr int64_t kPieceChunks = PanelDequant::kPiece / 32;
+  const int64_t pieces = deq ? deq->pieces() : 0;
+  if (deq) deq->rows(0, 0, 32);
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (NB > 1) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t c = 0; c < kc; ++c) {
+    const uint32_t* xc = xp + c * blocks * 256;
+    _tile_loadd(4, wt + 32 * c, ld * 2);
+    _tile_loadd(6, xc, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, wt + 16 * ld + 32 * c, ld * 2);
+    _tile_dpbf16ps(1, 5, 6);
+    if constexpr (NB > 1) {
+      _tile_loadd(7, xc + 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    const int64_t next = c / kPieceChunks + 1, part = c % kPieceChunks;
+    if (next < pieces) deq->rows(next, 4 * part, 4 * part + 4);
+  }
+  _tile_stored(0, cbuf, 64);
+  _tile_stored(1, cbuf + 256, 64);
+  if constexpr (NB > 1) {
+    _tile_stored(2, cbuf + 512, 64);
+    _tile_stored(3, cbuf + 768, 64);
+  }
+}
+
+// qlinear_tiled on the matrix unit: 32 weight rows at a time dequantized into a bf16 tile
+// (the A operands, so it needs no transposing) during the first trip of the matrix unit
+// through it, against x packed once a pass as B tiles, 32 rows of x per trip.
+inline void qlinear_tiled_amx(c10::BFloat16* y, int64_t y_stride, const c10::BFloat16* x,
+                              int64_t x_stride, int64_t rows, QType t, const uint8_t* w,
+                              int64_t row_bytes, int64_t in, int64_t out,
+                              const c10::BFloat16* bias) {
+  constexpr int kPanel = 32;
+  constexpr int64_t kXBytes = 1 << 20;  // packed x a pass: within L2 beside the tile
+  const int64_t kc = in / 32, panels = (out + kPanel - 1) / kPanel;
+  const int64_t chunk = std::max<int64_t>(32, kXBytes / (in * 2) / 32 * 32);
+  // the tile's rows 64 bytes apart from a multiple of 4 KB: at a stride of 4 KB (in = 2048)
+  // the 16 rows of an A load share one L1 set and evict each other
+  const int64_t ld = in + 32;
+  std::vector<uint32_t> xp(((std::min(rows, chunk) + 15) / 16) * kc * 256);
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {  // each pass dequantizes every panel again
+    const int64_t c1 = std::min(rows, c0 + chunk), blocks = (c1 - c0 + 15) / 16;
+    amx_pack_x(x + c0 * x_stride, x_stride, c1 - c0, in, xp.data());
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      amx_configure_full();
+      std::vector<c10::BFloat16> tile(kPanel * ld);
+      alignas(64) float cbuf[4 * 256];
+      const __m512i column = _mm512_mullo_epi32(  // offsets of a C tile's column: 16 apart
+          _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+          _mm512_set1_epi32(16));
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t n0 = p * kPanel, n = std::min<int64_t>(kPanel, out - n0);
+        for (int64_t r = n; r < kPanel; ++r)  // the last panel: rows past the matrix are zeros
+          std::memset(static_cast<void*>(tile.data() + r * ld), 0, in * 2);
+        const PanelDequant deq{t, qtype_info(t), w + n0 * row_bytes, row_bytes, n, in, ld,
+                               tile.data()};
+        __m512 bias_lo = _mm512_setzero_ps(), bias_hi = _mm512_setzero_ps();
+        if (bias) {
+          alignas(64) float bv[32] = {};
+          for (int64_t j = 0; j < n; ++j) bv[j] = float(bias[n0 + j]);
+          bias_lo = _mm512_load_ps(bv);
+          bias_hi = _mm512_load_ps(bv + 16);
+        }
+        for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+          const int nb = int(std::min<int64_t>(2, blocks - b0));
+          const uint32_t* xb = xp.data() + b0 * 256;
+          const PanelDequant* d = b0 == 0 ? &deq : nullptr;  // the first trip dequantizes
+          if (nb == 2)
+            amx_panel<2>(tile.data(), in, ld, xb, blocks, cbuf, d);
+          else
+            amx_panel<1>(tile.data(), in, ld, xb, blocks, cbuf, d);
+          // y row r = column m of the block's two C tiles (weight rows 0-15, 16-31)
+          const __mmask32 keep = n == 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1);
+          for (int b = 0; b < nb; ++b)
+            for (int64_t m = 0; m < 16; ++m) {
+              const int64_t r = c0 + (b0 + b) * 16 + m;
+              if (r >= c1) break;
+              const float* col = cbuf + 2 * b * 256 + m;
+              __m512 lo = _mm512_i32gather_ps(column, col, 4);
+              __m512 hi = _mm512_i32gather_ps(column, col + 256, 4);
+              if (bias) {
+                lo = _mm512_add_ps(lo, bias_lo);
+                hi = _mm512_add_ps(hi, bias_hi);
+              }
+              _mm512_mask_storeu_epi16(y + r * y_stride + n0, keep,
+                                       (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+        }
+      }
+      _tile_release();
+    });
+  }
+}
+#endif
+
+// Whether qlinear_tiled may run on the matrix unit (tests turn it off to reach the AVX-512
+// path on an AMX CPU).
+inline bool& amx_allowed() {
+  static bool allowed = true;
+  return allowed;
+}
+
 inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat16* x,
                           int64_t x_stride, int64_t rows, QType t, const uint8_t* w,
                           int64_t row_bytes, int64_t in, int64_t out, const c10::BFloat16* bias) {
+#if defined(TW_AMX)
+  if (amx_allowed() && amx_ready())
+    return qlinear_tiled_amx(y, y_stride, x, x_stride, rows, t, w, row_bytes, in, out, bias);
+#endif
   constexpr int kPanel = 16, kMB = 6;
   constexpr int64_t kXBytes = 768 << 10;  // x rows a pass: within a core's L2 beside the tile
   const int64_t panels = (out + kPanel - 1) / kPanel;
@@ -864,7 +1079,7 @@ inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat1
 
 #if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 struct XQ {  // (CPUs without VNNI never quantize x)
-  void fill(const float*, int, int64_t) {}
+  void fill(const float*, int, int64_t, int64_t) {}
 };
 #endif
 
@@ -877,9 +1092,9 @@ struct QPrepared {
   bool q8 = false;
   template <typename T>
   void fill(QType t, const float* xf, int rows, int64_t in) {
-    q8 = std::is_same_v<T, c10::BFloat16> && qreads_q8(t);  // (fp32 runs stay exact)
+    q8 = std::is_same_v<T, c10::BFloat16> && qreads_q8(t, in);  // (fp32 runs stay exact)
     if (q8)
-      xq.fill(xf, rows, in);
+      xq.fill(xf, rows, in, q8_group(t));
     else
       xs.fill(xf, rows, in);
   }

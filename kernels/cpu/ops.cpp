@@ -309,6 +309,17 @@ void gguf_linear_tiled(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
 #endif
 }
 
+// Whether the kernels use AMX (the CPU has it, the compiler targeted it and this process
+// was granted its tile state); allow = 0 or 1 turns its use off or back on first (-1 asks).
+bool cpu_amx(int64_t allow) {
+  if (allow >= 0) amx_allowed() = allow != 0;
+#if defined(TW_AMX)
+  return amx_allowed() && amx_ready();
+#else
+  return false;
+#endif
+}
+
 // The values of GGUF block-quantized rows: w uint8 [n, row bytes] -> out [n, in].
 void gguf_dequant(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
   check(qtype_known(qtype), "gguf_dequant: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
@@ -610,6 +621,7 @@ TORCH_LIBRARY(tidewire, m) {
   m.def("gguf_linear_small(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
         &tw::gguf_linear_small);
   m.def("gguf_dequant(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_dequant);
+  m.def("cpu_amx(int allow=-1) -> bool", &tw::cpu_amx);
   m.def("gguf_linear_tiled(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
         &tw::gguf_linear_tiled);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "

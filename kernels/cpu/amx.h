@@ -1,0 +1,54 @@
+// AMX (Advanced Matrix Extensions: Sapphire Rapids and later Xeons): eight tile registers
+// of up to 16 rows x 64 bytes and a matrix unit that multiplies them. Built where the
+// compiler targets a CPU with AMX-BF16 (-march=native); used only once the kernel has
+// granted this process the tile state (amx_ready).
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TW_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace tw {
+
+// Linux gives a process AMX's 8 KB of tile state only after it asks for it
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), since 5.16); a tile instruction
+// in a process that did not ask faults with SIGILL, whatever CPUID says. oneDNN asks
+// before its AMX kernels run; code that trusts CPUID alone dies on its first tile load.
+// The permission is the whole process's; asked once, and false where the kernel refuses
+// (an old kernel, a hypervisor that hides XTILEDATA), so callers keep their AVX-512 path.
+inline bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022, kXTileData = 18;
+    if (syscall(SYS_arch_prctl, kReqXcompPerm, kXTileData) != 0) return false;
+    unsigned long features = 0;
+    return syscall(SYS_arch_prctl, kGetXcompPerm, &features) == 0 &&
+           (features & (1ul << kXTileData)) != 0;
+  }();
+  return ok;
+}
+
+// The tile configuration (palette 1): bytes per row and rows of each of the 8 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows of 64 bytes (16 fp32, or 32 bf16: 16 pairs), the shape the bf16
+// kernels use. The configuration is per thread: each thread sets it before its tiles.
+inline void amx_configure_full() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  _tile_loadconfig(&c);
+}
+
+}  // namespace tw
+#endif
