@@ -198,6 +198,28 @@ def background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
         s.stop()
 
 
+@pytest.fixture(autouse=True)
+def one_thread_beside_the_soak(background_soak):
+    """While the background soak runs, a test's torch work takes one thread, in this
+    process and in the servers it starts (OMP_NUM_THREADS, which the engine keeps when
+    set): beside a busy neighbour a two-thread torch op waits at every barrier for the
+    thread the neighbour holds, and tests ran 3-30x slower than alone (tests/soak.py)."""
+    if background_soak is None or not background_soak.running():
+        yield
+        return
+    env, threads = os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+
+
 @pytest.fixture()
 def redis_server():
     """A fresh real redis-server on a free port, stopped afterwards."""

@@ -6,10 +6,11 @@
   `tidewire bench load` in its own process group at the idle scheduling class, started
   with the first test and checked by the soak test, which runs last. It runs on the CPU
   the rest of the suite leaves idle (the suite keeps ~1.3 of the 2 cores busy), but not
-  for free: a busy neighbour slows torch's two-thread kernels whatever its priority, and
-  the tests beside it took ~70 s longer in all, about what the old 60 s inline soak cost
-  (docs/performance.md). Its load is burstier than alone, which the checks do not
-  depend on.
+  for free: a busy neighbour slows torch's two-thread kernels whatever its priority (each
+  of their barriers waits for a thread the neighbour holds: on a 2-vCPU VM a benchmark
+  test took 70 s beside it against 2.4 s alone), so while it runs the tests' own torch
+  work takes one thread (conftest.py, one_thread_beside_the_soak) and runs at its solo
+  speed. Its load is burstier than alone, which the checks do not depend on.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class BackgroundSoak:
         self.policy = ("SCHED_IDLE" if os.sched_getscheduler(self.proc.pid) == os.SCHED_IDLE
                        else "nice 19")
 
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
     def result(self) -> dict[str, Any]:
         # bench load's own limits (the server's start, the generators' 30-minute cap)
         # end it first; this deadline is the backstop
@@ -107,6 +111,9 @@ class NotStarted:
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+    def running(self) -> bool:
+        return False
 
     def result(self) -> dict[str, Any]:
         raise AssertionError(f"the background soak did not start: {self.error!r}") from self.error

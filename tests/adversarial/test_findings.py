@@ -361,10 +361,12 @@ async def test_a_request_prepared_as_its_socket_closes_is_not_started(server,
     """A prepare that returns although its task was cancelled (Python 3.11's wait_for
     returns a result that arrived with the cancel) must not admit the request on the
     closed socket: it would stay in flight for its key for ever."""
-    entered = asyncio.Event()
+    entered = asyncio.Event()  # this loop's; the server runs its own loop in a thread
+    loop = asyncio.get_running_loop()
 
     async def swallowing(params) -> None:  # noqa: ANN001
-        entered.set()
+        loop.call_soon_threadsafe(entered.set)  # (a plain set() wakes this loop only at
+        # its next timer: the client's 20 s keepalive)
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -377,7 +379,6 @@ async def test_a_request_prepared_as_its_socket_closes_is_not_started(server,
     await asyncio.wait_for(entered.wait(), 30)
     assert server.gateway.inflight_by_key.get("key-b") == 1  # held while it prepares
     await ws.close()
-    loop = asyncio.get_running_loop()
     deadline = loop.time() + 30
     while server.gateway.inflight_by_key or server.gateway.compiling_by_key:
         assert loop.time() < deadline, (server.gateway.inflight_by_key,
