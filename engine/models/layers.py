@@ -114,8 +114,8 @@ class GGUFLinear:
     64; on a Xeon with AMX, whose tiled kernel multiplies on the matrix unit, to 256.)"""
 
     # by block type (ggml's ids): the K types' small-batch kernel takes x in int8 and
-    # stays ahead of the tiled one to 8 rows; Q4_0/Q4_1's (bf16 lookups) only to 2
-    small_rows = {2: 2, 3: 2, 8: 4, 12: 8, 13: 8, 14: 8}
+    # stays ahead of the tiled one to 8 rows; Q4_0/Q4_1's (int8 x per 64 values) to 4
+    small_rows = {2: 4, 3: 4, 8: 4, 12: 8, 13: 8, 14: 8}
     tiled_rows = 96
     tiled_rows_amx = 256
     tile_bytes = 4 << 20
