@@ -2,6 +2,11 @@
 roofline, across shapes, on a CUDA GPU. Without one it says so and exits 0 (the kernels
 are proven on CPU by the parity tests under TRITON_INTERPRET=1, not timed).
 
+`--cpu`: the compiled CPU paged attention (kernels/cpu/) on prefill shapes against torch's
+scaled_dot_product_attention on the same queries and keys held contiguously (the flash
+attention HF transformers runs on a CPU), with the matrix unit (AMX) and without it
+where the CPU has one.
+
 Reported per case: kernel and reference time (median of CUDA-event timings), speedup,
 achieved GB/s (bytes that must move: q, the K/V actually attended, out) and TFLOP/s.
 """
@@ -23,6 +28,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=20,
                    help="CUDA-event timings per kernel (the median is reported)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--cpu", action="store_true",
+                   help="time the CPU attention kernel against torch SDPA instead")
+    p.add_argument("--context", type=int, nargs="*", default=[2048, 8192],
+                   help="with --cpu: prompt lengths to prefill")
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> float:
@@ -70,7 +79,90 @@ def _attention_case(name: str, num_seqs: int, q_len: int, ctx: int, heads: int, 
             "GB_s": moved / t_k / 1e9, "TFLOP_s": flops / t_k / 1e12}
 
 
+def _cpu_time(fn: Callable[[], Any], repeats: int) -> float:
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _cpu_prefill_case(heads: int, kv_heads: int, d: int, n: int, chunk: int,
+                      repeats: int) -> dict:
+    """A causal prefill of `n` tokens in chunks of `chunk` (as the engine runs it: each
+    chunk's queries against every key before and within it, read from the paged cache),
+    against one SDPA call over the whole prompt."""
+    from kernels import cpu_ops
+
+    bs, dtype = 16, torch.bfloat16
+    nb = -(-n // bs)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(kv_heads, nb * bs, d, generator=g).to(dtype)
+    v = torch.randn(kv_heads, nb * bs, d, generator=g).to(dtype)
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    kc = torch.empty(kv_heads, nb, bs, d, dtype=dtype)
+    vc = torch.empty_like(kc)
+    kc[:, perm] = k.view(kv_heads, nb, bs, d)
+    vc[:, perm] = v.view(kv_heads, nb, bs, d)
+    table = perm.int().view(1, nb)
+    out = torch.empty_like(q)
+    scale = d**-0.5
+
+    def ours() -> None:
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            cpu_ops.paged_attention(out[c0:c1], q[c0:c1], kc, vc, table,
+                                    torch.tensor([c1], dtype=torch.int32),
+                                    torch.tensor([0, c1 - c0], dtype=torch.int32), scale)
+
+    qs = q.transpose(0, 1).unsqueeze(0)
+    ks = k[:, :n].repeat_interleave(heads // kv_heads, 0).unsqueeze(0)
+    vs = v[:, :n].repeat_interleave(heads // kv_heads, 0).unsqueeze(0)
+
+    def sdpa() -> None:
+        torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+
+    row = {"case": f"{heads}/{kv_heads} heads d{d}, {n} tokens by {chunk}",
+           "sdpa_s": _cpu_time(sdpa, repeats)}
+    row["kernel_s"] = _cpu_time(ours, repeats)
+    if cpu_ops.amx():  # the same with the AVX-512 path
+        cpu_ops.amx(False)
+        try:
+            row["kernel_no_amx_s"] = _cpu_time(ours, repeats)
+        finally:
+            cpu_ops.amx(True)
+    return row
+
+
+def cpu_main(a: argparse.Namespace) -> int:
+    from kernels import cpu_ops
+
+    if not cpu_ops.available():
+        print("tidewire bench kernels --cpu: the compiled CPU kernels are unavailable here")
+        return 1
+    shapes = [(9, 3, 64), (32, 8, 64), (32, 8, 128)]  # SmolLM2-135M, Llama-3.2-1B, 8B
+    rows = [_cpu_prefill_case(h, kvh, d, n, 512, max(1, a.repeats // 10))
+            for n in a.context for h, kvh, d in shapes]
+    print(f"amx: {cpu_ops.amx()}, threads: {torch.get_num_threads()}")
+    print(f"{'case':40s} {'ours ms':>9s} {'no AMX':>9s} {'SDPA ms':>9s} {'SDPA/ours':>9s}")
+    for r in rows:
+        no_amx = f"{r['kernel_no_amx_s'] * 1e3:9.1f}" if "kernel_no_amx_s" in r else f"{'-':>9s}"
+        print(f"{r['case']:40s} {r['kernel_s'] * 1e3:9.1f} {no_amx} {r['sdpa_s'] * 1e3:9.1f} "
+              f"{r['sdpa_s'] / r['kernel_s']:9.2f}")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps({"amx": cpu_ops.amx(), "rows": rows}, indent=2))
+    return 0
+
+
 def main(a: argparse.Namespace) -> int:
+    if getattr(a, "cpu", False):
+        return cpu_main(a)
     if not torch.cuda.is_available():
         print("tidewire bench kernels: no CUDA GPU here; the kernels are checked for "
               "correctness by tests/test_kernels.py under TRITON_INTERPRET=1.")

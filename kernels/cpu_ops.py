@@ -80,6 +80,9 @@ def available() -> bool:
                                 str(e).splitlines()[0] if str(e) else type(e).__name__)
                     ok = False
             _state["ok"] = ok
+            if ok:  # TIDEWIRE_CPU_AMX=0: no kernel touches the tiles in this process
+                allow = os.environ.get("TIDEWIRE_CPU_AMX", "1") not in ("0", "false", "")
+                _state["amx"] = bool(torch.ops.tidewire.cpu_amx(int(allow)))
         return bool(_state["ok"])
 
 
@@ -203,14 +206,14 @@ def gguf_tiled() -> bool:
 
 def amx(allow: bool | None = None) -> bool:
     """Whether the compiled kernels multiply on AMX tiles (the CPU has AMX-BF16 and Linux
-    granted this process the tile state: kernels/cpu/amx.h). `allow` False or True turns
-    their use off or back on first (tests reach the AVX-512 paths on an AMX CPU);
-    TIDEWIRE_CPU_AMX=0 turns it off for the process."""
-    if allow is None and "amx" in _state:  # (asked by every GGUF matmul)
-        return bool(_state["amx"])
-    if allow is None:  # the first question: TIDEWIRE_CPU_AMX=0 keeps them off
-        allow = os.environ.get("TIDEWIRE_CPU_AMX", "1") not in ("0", "false", "")
-    _state["amx"] = available() and bool(torch.ops.tidewire.cpu_amx(int(allow)))
+    granted this process the tile state: kernels/cpu/amx.h): the GGUF tiled matmul and
+    attention over many query rows. `allow` False or True turns their use off or back on
+    first (tests reach the AVX-512 paths on an AMX CPU); TIDEWIRE_CPU_AMX=0 turns it off
+    for the process (read when the kernels load)."""
+    if not available():
+        return False
+    if allow is not None:
+        _state["amx"] = bool(torch.ops.tidewire.cpu_amx(int(allow)))
     return bool(_state["amx"])
 
 
@@ -225,7 +228,6 @@ def gguf_linear_tiled(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     vdpbf16ps."""
     if out is None:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    amx()  # (TIDEWIRE_CPU_AMX read before the first call)
     torch.ops.tidewire.gguf_linear_tiled(out, x, weight, qtype, bias)
     return out
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from typing import Iterator
 
 import pytest
 import torch
@@ -119,6 +121,65 @@ def test_paged_attention_32k_context_is_split_and_merged_exactly(dtype) -> None:
 
 
 MIXED = [(1, 1), (1, 37), (1, 100), (1, 16), (5, 5), (70, 90), (33, 33), (2, 47)]
+
+
+@contextlib.contextmanager
+def amx_as(on: bool) -> Iterator[None]:
+    """The compiled kernels with their AMX paths on or off (skips where on is asked and
+    the CPU has no AMX, or Linux refused the tile state)."""
+    if on and not cpu_ops.amx():
+        pytest.skip("AMX: not on this CPU, or Linux refused this process the tile state")
+    was = cpu_ops.amx()
+    try:
+        assert cpu_ops.amx(on) == on
+        yield
+    finally:
+        cpu_ops.amx(was)
+
+
+# bf16 prefill rows on the matrix unit: head dims (a multiple of 32), GQA ratios, block
+# sizes (one that splits a 16-key row block across blocks), query tiles of 8 to 64 rows
+# (a verification of 5 tokens x 3 heads: 15) with and without cached context
+AMX_SHAPES = [(64, 9, 3, 16), (64, 32, 8, 32), (96, 8, 8, 16), (128, 16, 2, 16),
+              (128, 32, 8, 1), (256, 4, 1, 32), (64, 4, 4, 5)]
+AMX_SEQS = [(1, 50), (40, 40), (70, 1000), (17, 100), (5, 300), (2, 2), (130, 130)]
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
+@pytest.mark.parametrize("d,heads,kv_heads,bs", AMX_SHAPES)
+def test_paged_attention_prefill_rows_match_reference_with_and_without_amx(
+        amx: bool, d: int, heads: int, kv_heads: int, bs: int) -> None:
+    with amx_as(amx):
+        _check_attention(AMX_SEQS, heads, kv_heads, d, bs, torch.bfloat16, seed=d + bs)
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
+def test_paged_attention_prefill_chunk_at_32k_and_windows_with_and_without_amx(amx) -> None:
+    # a chunk at the end of a 32k context (keys past the first 64k tile boundaries and a
+    # row block whose tokens straddle tiles), a chunk beside a decode split into parts;
+    # sliding windows that start inside tiles and leave rows nothing in some
+    with amx_as(amx):
+        _check_attention([(40, 32768)], 9, 3, 64, 16, torch.bfloat16, seed=11)
+        _check_attention([(1, 20000), (24, 3000)], 8, 2, 128, 32, torch.bfloat16, seed=12)
+        for window in (5, 70):
+            _check_attention([(300, 300), (1, 5), (40, 260)], 16, 2, 64, 16, torch.bfloat16,
+                             seed=window, window=window)
+
+
+def test_paged_attention_amx_and_avx512_paths_agree() -> None:
+    """The matrix unit sums the same bf16 products in another order: the two paths differ
+    by rounding only (tighter than either's distance to the fp32 reference)."""
+    if not cpu_ops.amx():
+        pytest.skip("AMX: not on this CPU, or Linux refused this process the tile state")
+    q, kc, vc, table, lens, qstart = _paged_case(AMX_SEQS, 32, 8, 128, 16, torch.bfloat16, 13)
+    outs = []
+    for amx in (False, True):
+        with amx_as(amx):
+            out = torch.full_like(q, float("nan"))
+            cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, 128**-0.5)
+            outs.append(out.float())
+    torch.testing.assert_close(outs[1], outs[0], atol=8e-3, rtol=8e-3)
+    assert not torch.equal(outs[1], outs[0])  # (the switch reached the kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -329,6 +329,28 @@ def test_compiled_decode_step_splits_a_long_context_and_merges_it_exactly(tiny_m
     assert llm.engine.runner.compiled_step.steps == 5
 
 
+def test_bf16_prefill_on_the_matrix_unit_agrees_with_the_avx512_path(tiny_models) -> None:
+    """bf16 prefill attention runs on AMX tiles where the CPU has them: the engine's greedy
+    output with them and without them (TIDEWIRE_CPU_AMX=0's switch) agrees but for late
+    rounding, over prompts of several query tiles and a chunked one."""
+    from kernels import cpu_ops
+
+    if not cpu_ops.amx():
+        pytest.skip("AMX: not on this CPU, or Linux refused this process the tile state")
+    path = tiny_models("llama", 2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts(4, 60, 300, 320, seed=44)
+    outs = {}
+    try:
+        for amx in (True, False):
+            cpu_ops.amx(amx)
+            llm = LLM(model=str(path), dtype="bfloat16", max_num_batched_tokens=128)
+            outs[amx] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    finally:
+        cpu_ops.amx(True)
+    same = sum(a == b for x, y in zip(outs[True], outs[False]) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(len(x) for x in outs[False])
+
+
 def test_compiled_decode_step_in_bf16_agrees_with_the_eager_engine(tiny_models) -> None:
     path = tiny_models("llama", 2, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
     prompts = random_prompts(4, 5, 40, 320, seed=43)

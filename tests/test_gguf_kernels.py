@@ -13,6 +13,7 @@ import torch
 
 from kernels import cpu_ops
 from tests.gguf_tools import random_blocks
+from tests.test_cpu_ops import amx_as
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no compiled CPU kernels")
 
@@ -79,15 +80,8 @@ def test_gguf_linear_tiled_equals_the_dequantized_matmul(qtype: int, amx: bool) 
     of 4, their tails, and more rows than one pass of x takes) against a weight whose row
     count leaves a partial last panel and a partial group of 4: x times the bf16
     dequantized W, summed in fp32, to rounding; bias added; a column slice as output."""
-    if amx and not cpu_ops.amx():
-        pytest.skip("AMX: not on this CPU, or Linux refused this process the tile state")
-    was = cpu_ops.amx()
-    try:
-        cpu_ops.amx(amx)
-        assert cpu_ops.amx() == amx
+    with amx_as(amx):
         _tiled_against_dequantized(qtype)
-    finally:
-        cpu_ops.amx(was)
 
 
 def _tiled_against_dequantized(qtype: int) -> None:

@@ -4,6 +4,17 @@
 // granted this process the tile state (amx_ready).
 #pragma once
 
+namespace tw {
+
+// Whether the kernels may run on the matrix unit at all (TIDEWIRE_CPU_AMX=0 and tests
+// turn it off to reach the AVX-512 paths on an AMX CPU).
+inline bool& amx_allowed() {
+  static bool allowed = true;
+  return allowed;
+}
+
+}  // namespace tw
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TW_AMX 1
 #include <immintrin.h>
@@ -49,6 +60,27 @@ inline void amx_configure_full() {
   }
   _tile_loadconfig(&c);
 }
+
+// Whether tiles may be used now (allowed and granted).
+inline bool amx_on() { return amx_allowed() && amx_ready(); }
+
+// The tile configuration of the calling thread for one parallel region: set where the
+// region uses tiles (`on`), released at its end so that the thread's tile state returns
+// to its initial state (the kernel then saves nothing of it at a context switch).
+class AmxRegion {
+ public:
+  explicit AmxRegion(bool on) : on_(on) {
+    if (on_) amx_configure_full();
+  }
+  ~AmxRegion() {
+    if (on_) _tile_release();
+  }
+  AmxRegion(const AmxRegion&) = delete;
+  AmxRegion& operator=(const AmxRegion&) = delete;
+
+ private:
+  bool on_;
+};
 
 }  // namespace tw
 #endif

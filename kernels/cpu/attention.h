@@ -73,7 +73,7 @@ void attend_item(const AttnItem& it, const T* q, const C* kc, const C* vc, const
     const auto tile = loader.template tile<ND>(kb, nk);
     Isa::template scores<ND>(w, sh.scale, rows, tile, nk);
     if constexpr (!Rows::kValuesStaged) Isa::template stage_values<ND>(tile.v, nk, w);
-    softmax_rows(w.s.data(), rows, G, pos0 - kb, nk, sh.window, w, corr);
+    Isa::template softmax<ND>(w, sh.scale, rows, G, pos0 - kb, nk, sh.window, corr);
     Isa::template accumulate<ND>(w, rows, corr, nk);
   }
 }
@@ -86,6 +86,37 @@ inline int64_t first_key(int64_t pos, const AttnShape& sh) {
   if (sh.window <= 0) return 0;
   const int64_t lo = std::max<int64_t>(0, pos - sh.window + 1);
   return sh.block_size % kLanes == 0 ? lo / kLanes * kLanes : lo;
+}
+
+// The items reordered longest first (rows x keys read), the parts of a split context kept
+// together in their order: the threads take items in turn, so the last ones taken decide
+// how long the others wait at the end, and a causal prefill's items grow with their
+// position (its last query tile reads every key).
+inline std::vector<AttnItem> longest_first(std::vector<AttnItem> items, const int32_t* seq_lens,
+                                           const int32_t* qstart, const AttnShape& sh) {
+  std::vector<std::pair<size_t, size_t>> units;  // [begin, end) of items run as one
+  std::vector<int64_t> cost;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttnItem& it = items[i];
+    const int64_t ctx = seq_lens[it.seq], q_len = qstart[it.seq + 1] - qstart[it.seq];
+    const int64_t last = std::min<int64_t>(it.key_end, ctx - q_len + it.tok_end);
+    const int64_t c = (it.tok_end - it.tok_begin) * sh.group * std::max<int64_t>(1, last - it.key_begin);
+    if (it.part > 0) {
+      units.back().second = i + 1;
+      cost.back() += c;
+    } else {
+      units.emplace_back(i, i + 1);
+      cost.push_back(c);
+    }
+  }
+  std::vector<size_t> order(units.size());
+  for (size_t u = 0; u < order.size(); ++u) order[u] = u;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
+  std::vector<AttnItem> out;
+  out.reserve(items.size());
+  for (size_t u : order)
+    for (size_t i = units[u].first; i < units[u].second; ++i) out.push_back(items[i]);
+  return out;
 }
 
 // Splits the step into work items (see the file comment).
@@ -118,7 +149,7 @@ inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* 
                            int32_t(parts == 1 ? -1 : p)});
       }
   }
-  return items;
+  return longest_first(std::move(items), seq_lens, qstart, sh);
 }
 
 // A step's work items and where the parts of split contexts keep their partial results.
@@ -127,12 +158,14 @@ struct AttnPlan {
   std::vector<int64_t> part_base;                  // per item: first row in part_o, or -1
   std::vector<std::pair<size_t, size_t>> groups;   // item ranges merged into one output
   int64_t part_rows = 0;
+  int64_t rows_max = 0;                            // the most query rows of an item
   std::vector<float> part_o, part_lse;
 
   AttnPlan(const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
            const AttnShape& sh, int threads)
       : items(plan_items(seq_lens, qstart, num_seqs, sh, threads)), part_base(items.size(), -1) {
     for (size_t i = 0; i < items.size(); ++i) {
+      rows_max = std::max<int64_t>(rows_max, (items[i].tok_end - items[i].tok_begin) * sh.group);
       if (items[i].part < 0) continue;
       part_base[i] = part_rows;
       part_rows += (items[i].tok_end - items[i].tok_begin) * sh.group;
@@ -244,10 +277,22 @@ void paged_attention_impl(T* out, const T* q, const C* kc, const C* vc, const in
   const int threads = at::get_num_threads();
   AttnPlan plan(seq_lens, qstart, num_seqs, sh, threads);
   std::atomic<size_t> next{0};
+#if defined(TW_ATTN_AMX)
+  // the matrix unit for items of many rows, where the primitives are the bf16 ones
+  const bool amx = std::is_same_v<AttnIsa<ND, T>, AttnBf16Dot> && amx_on() &&
+                   plan.rows_max >= 8;
+#endif
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local AttnScratch w;
     w.reserve(sh.head_dim);
+#if defined(TW_ATTN_AMX)
+    const AmxRegion tiles(amx);
+    w.amx = amx;
+#endif
     run_items<ND>(plan, next, out, q, kc, vc, table, seq_lens, qstart, sh, w);
+#if defined(TW_ATTN_AMX)
+    w.amx = false;
+#endif
   });
   for (size_t g = 0; g < plan.groups.size(); ++g) merge_group<ND>(plan, g, out, qstart, sh);
 }

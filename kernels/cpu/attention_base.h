@@ -39,9 +39,12 @@ struct AttnScratch {
   std::vector<float> q, o, s, kt, v, m, l;
   std::vector<float> kq;          // a q8 cache's key tile as fp32 rows (kKeyTile x d)
   std::vector<c10::BFloat16> qb;  // bf16 queries, unscaled (the bf16 dot-product path)
+  std::vector<uint16_t> pb;       // bf16 probabilities [kMaxRows][kKeyTile] (the AMX path)
+  bool amx = false;               // the thread's tiles are configured: many rows use AMX
   void reserve(int64_t d) {
     q.resize(kMaxRows * d);
     qb.resize(kMaxRows * d);
+    pb.resize(kMaxRows * kKeyTile);
     o.resize(kMaxRows * d);
     s.resize(kMaxRows * kKeyTile);
     kt.resize(d * kKeyTile);

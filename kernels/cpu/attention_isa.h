@@ -4,13 +4,15 @@
 //   AttnF32x16   16-lane fp32 vectors (AVX-512)
 //   AttnBf16Dot  bf16 pairs summed in fp32 by vdpbf16ps (AVX512-BF16; bf16 activations)
 // Each set reads key rows of any element type a row loader hands it (attention_rows.h)
-// and has the same four members: Row (what a dequantizing loader should produce),
-// stage_queries, scores, stage_values and accumulate.
+// and has the same members: Row (what a dequantizing loader should produce),
+// stage_queries, scores, stage_values, softmax and accumulate. Where the CPU has AMX,
+// AttnBf16Dot runs items of many rows on the matrix unit (attention_amx.h).
 #pragma once
 
 #include <cstring>
 #include <type_traits>
 
+#include "attention_amx.h"
 #include "attention_base.h"
 
 namespace tw {
@@ -226,13 +228,25 @@ inline void scores_by_tile_bf16(const c10::BFloat16* qb, float scale, int rows,
 // a missing last key as zeros: what accumulate_pv_bf16 reads.
 template <int ND>
 inline void pair_values(const c10::BFloat16* const* vrows, int nk, uint32_t* vp) {
-  constexpr int D = ND * kLanes;
-  uint16_t zero[D] = {};
+  constexpr int D = ND * kLanes;  // a multiple of 32 (ND even)
+  // 16-bit lanes: (a[i], b[i]) for i in [0, 16), then for i in [16, 32)
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38,
+                                               7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44,
+                                               13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                               22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                               28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
   for (int k = 0; k < nk; k += 2) {
-    const uint16_t* a = reinterpret_cast<const uint16_t*>(vrows[k]);
-    const uint16_t* b = k + 1 < nk ? reinterpret_cast<const uint16_t*>(vrows[k + 1]) : zero;
+    const c10::BFloat16* a = vrows[k];
+    const c10::BFloat16* b = k + 1 < nk ? vrows[k + 1] : nullptr;
     uint32_t* dst = vp + (k / 2) * D;
-    for (int d = 0; d < D; ++d) dst[d] = uint32_t(a[d]) | (uint32_t(b[d]) << 16);
+    for (int d = 0; d < D; d += 32) {
+      const __m512i x = _mm512_loadu_si512(a + d);
+      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(x, hi, y));
+    }
   }
 }
 
@@ -329,6 +343,11 @@ struct AttnF32x16 {
     stage_values_f32<ND>(vrows, nk, w);
   }
   template <int ND>
+  static void softmax(AttnScratch& w, float, int rows, int64_t G, int64_t rel, int nk,
+                      int64_t window, float* corr) {
+    softmax_rows(w.s.data(), rows, G, rel, nk, window, w, corr);
+  }
+  template <int ND>
   static void accumulate(AttnScratch& w, int rows, const float* corr, int nk) {
     accumulate_rows<ND>(w, rows, 0, corr, nk);
   }
@@ -351,6 +370,11 @@ struct AttnF32x8 {
   template <int ND, typename R>
   static void stage_values(const R* const* vrows, int nk, AttnScratch& w) {
     stage_values_f32<ND>(vrows, nk, w);
+  }
+  template <int ND>
+  static void softmax(AttnScratch& w, float, int rows, int64_t G, int64_t rel, int nk,
+                      int64_t window, float* corr) {
+    softmax_rows(w.s.data(), rows, G, rel, nk, window, w, corr);
   }
   template <int ND>
   static void accumulate(AttnScratch& w, int rows, const float* corr, int nk) {
@@ -378,18 +402,47 @@ struct AttnBf16Dot {
   static void scores(AttnScratch& w, float scale, int rows, const TileRows<Row>& t, int nk) {
     if (rows < 8) {  // the prefetches spread over the dot products
       scores_by_dot_bf16<ND>(w.qb.data(), scale, rows, t.k, nk, w.s.data(), t.ka, t.va, t.na);
-    } else {  // many rows: a tile's arithmetic dwarfs its prefetches
-      prefetch_ahead<ND>(t);
-      scores_by_tile_bf16<ND>(w.qb.data(), scale, rows, t.k, nk, w.kt.data(), w.s.data());
+      return;
     }
+    prefetch_ahead<ND>(t);  // many rows: a tile's arithmetic dwarfs its prefetches
+#if defined(TW_ATTN_AMX)
+    if (w.amx) {
+      uint32_t* kp = reinterpret_cast<uint32_t*>(w.kt.data());
+      pair_keys<ND>(t.k, nk, kp);
+      scores_amx<ND>(w.qb.data(), rows, kp, nk, w.s.data());
+      return;
+    }
+#endif
+    scores_by_tile_bf16<ND>(w.qb.data(), scale, rows, t.k, nk, w.kt.data(), w.s.data());
   }
   template <int ND>
   static void stage_values(const Row* const* vrows, int nk, AttnScratch& w) {
     // (kKeyTile even: the pairs never straddle tiles)
     pair_values<ND>(vrows, nk, reinterpret_cast<uint32_t*>(w.v.data()));
   }
+  // On the matrix unit the scores come unscaled: the softmax scales them, rounds the
+  // probabilities to bf16 for the P V tiles and rescales the output rows in one pass.
+  template <int ND>
+  static void softmax(AttnScratch& w, float scale, int rows, int64_t G, int64_t rel, int nk,
+                      int64_t window, float* corr) {
+#if defined(TW_ATTN_AMX)
+    if (w.amx && rows >= 8) {
+      softmax_amx<ND>(w, scale, rows, G, rel, nk, window);
+      return;
+    }
+#endif
+    (void)scale;
+    softmax_rows(w.s.data(), rows, G, rel, nk, window, w, corr);
+  }
   template <int ND>
   static void accumulate(AttnScratch& w, int rows, const float* corr, int nk) {
+#if defined(TW_ATTN_AMX)
+    if (w.amx && rows >= 8) {
+      accumulate_amx<ND>(w.o.data(), rows, reinterpret_cast<uint32_t*>(w.v.data()), nk,
+                         w.pb.data());
+      return;
+    }
+#endif
     accumulate_rows_bf16<ND>(w, rows, corr, nk);
   }
 };

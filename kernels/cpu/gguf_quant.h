@@ -1021,18 +1021,11 @@ inline void qlinear_tiled_amx(c10::BFloat16* y, int64_t y_stride, const c10::BFl
 }
 #endif
 
-// Whether qlinear_tiled may run on the matrix unit (tests turn it off to reach the AVX-512
-// path on an AMX CPU).
-inline bool& amx_allowed() {
-  static bool allowed = true;
-  return allowed;
-}
-
 inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat16* x,
                           int64_t x_stride, int64_t rows, QType t, const uint8_t* w,
                           int64_t row_bytes, int64_t in, int64_t out, const c10::BFloat16* bias) {
 #if defined(TW_AMX)
-  if (amx_allowed() && amx_ready())
+  if (amx_on())
     return qlinear_tiled_amx(y, y_stride, x, x_stride, rows, t, w, row_bytes, in, out, bias);
 #endif
   constexpr int kPanel = 16, kMB = 6;

@@ -18,8 +18,8 @@ BENCHES = {  # subcommand -> one-line help
     "ws": "64 WebSocket streams vs the engine alone, same requests",
     "prefix": "TTFT of a 2,000-token shared prefix: cold, device hit, Redis after a restart, "
               "memory tier; no-hit overhead of the tier",
-    "kernels": "Triton kernels vs torch references and the roofline (CUDA only; exits 0 "
-               "without a GPU)",
+    "kernels": "Triton kernels vs torch references and the roofline (CUDA; exits 0 without "
+               "a GPU); --cpu: the CPU attention kernel vs torch SDPA on prefill shapes",
     "http": "chat-64 against any OpenAI-compatible server (Tidewire, llama.cpp, vLLM): TTFT, "
             "inter-chunk gaps, output tok/s",
     "load": "mixed WebSocket/SSE load from separate processes: sockets held, outcomes, "
