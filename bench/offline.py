@@ -59,6 +59,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="Tidewire: tokens one engine step may process")
     p.add_argument("--single-stream-tokens", type=int, default=128,
                    help="decode steps timed in the batch-1 comparison")
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[2000],
+                   help="prompt lengths of the time-to-first-token comparison (each up to "
+                        "the model's context)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's prompts and lengths")
     add_sampling_args(p, "the throughput run's tokens, in both systems")
     p.add_argument("--skip-hf", action="store_true", help="Tidewire only")
@@ -337,9 +340,12 @@ def main(a: argparse.Namespace) -> int:
     ss = single_stream(llm, hf, work[0].prompt_token_ids[:32], a.single_stream_tokens)
     result["single_stream"] = ss
     print("single stream: " + ", ".join(f"{k}={v:.2f}" for k, v in ss.items()))
-    pf = prefill_ttft(llm, hf)
-    result["prefill"] = pf
-    print("prefill: " + ", ".join(f"{k}={v:.2f}" for k, v in pf.items()))
+    result["prefills"] = []  # one a prompt length; "prefill": the first
+    for n in a.prefill_tokens:
+        pf = prefill_ttft(llm, hf, n)
+        result["prefills"].append(pf)
+        print("prefill: " + ", ".join(f"{k}={v:.2f}" for k, v in pf.items()))
+    result["prefill"] = result["prefills"][0]
     breakdowns = _profiles(llm, a.profile_long) if a.profile or a.plot else []
     result["profile"] = breakdowns
     if a.plot:

@@ -67,13 +67,15 @@ void attend_item(const AttnItem& it, const T* q, const C* kc, const C* vc, const
   std::fill(w.o.begin(), w.o.begin() + rows * D, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
   std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-  float corr[kMaxRows];
+  float corr[kMaxRowsAmx];
   for (int64_t kb = it.key_begin; kb < last; kb += kKeyTile) {
     const int nk = static_cast<int>(std::min<int64_t>(kKeyTile, last - kb));
     const auto tile = loader.template tile<ND>(kb, nk);
+    if (Isa::template whole_tile<ND>(w, sh.scale, rows, G, pos0 - kb, nk, sh.window, tile))
+      continue;
     Isa::template scores<ND>(w, sh.scale, rows, tile, nk);
     if constexpr (!Rows::kValuesStaged) Isa::template stage_values<ND>(tile.v, nk, w);
-    Isa::template softmax<ND>(w, sh.scale, rows, G, pos0 - kb, nk, sh.window, corr);
+    softmax_rows(w.s.data(), rows, G, pos0 - kb, nk, sh.window, w, corr);
     Isa::template accumulate<ND>(w, rows, corr, nk);
   }
 }
@@ -121,8 +123,9 @@ inline std::vector<AttnItem> longest_first(std::vector<AttnItem> items, const in
 
 // Splits the step into work items (see the file comment).
 inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* qstart,
-                                        int64_t num_seqs, const AttnShape& sh, int threads) {
-  const int64_t tok_tile = std::max<int64_t>(1, kMaxRows / sh.group);
+                                        int64_t num_seqs, const AttnShape& sh, int threads,
+                                        int64_t max_rows) {
+  const int64_t tok_tile = std::max<int64_t>(1, max_rows / sh.group);
   int64_t base = 0;
   for (int64_t s = 0; s < num_seqs; ++s)
     base += sh.num_kv_heads * ((qstart[s + 1] - qstart[s] + tok_tile - 1) / tok_tile);
@@ -158,14 +161,14 @@ struct AttnPlan {
   std::vector<int64_t> part_base;                  // per item: first row in part_o, or -1
   std::vector<std::pair<size_t, size_t>> groups;   // item ranges merged into one output
   int64_t part_rows = 0;
-  int64_t rows_max = 0;                            // the most query rows of an item
+  int64_t max_rows;                                // an item's most query rows
   std::vector<float> part_o, part_lse;
 
   AttnPlan(const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
-           const AttnShape& sh, int threads)
-      : items(plan_items(seq_lens, qstart, num_seqs, sh, threads)), part_base(items.size(), -1) {
+           const AttnShape& sh, int threads, int64_t rows = kMaxRows)
+      : items(plan_items(seq_lens, qstart, num_seqs, sh, threads, rows)),
+        part_base(items.size(), -1), max_rows(rows) {
     for (size_t i = 0; i < items.size(); ++i) {
-      rows_max = std::max<int64_t>(rows_max, (items[i].tok_end - items[i].tok_begin) * sh.group);
       if (items[i].part < 0) continue;
       part_base[i] = part_rows;
       part_rows += (items[i].tok_end - items[i].tok_begin) * sh.group;
@@ -270,21 +273,42 @@ void merge_group(const AttnPlan& plan, size_t g, T* out, const int32_t* qstart,
   }
 }
 
+// The most rows an item of the matrix unit's takes: kMaxRowsAmx, fewer where the step
+// would then have under 4 items a thread.
+inline int64_t rows_for(const int32_t* qstart, int64_t num_seqs, const AttnShape& sh,
+                        int threads) {
+  int64_t rows = kMaxRowsAmx;
+  for (; rows > kMaxRows; rows /= 2) {
+    const int64_t tok_tile = std::max<int64_t>(1, rows / sh.group);
+    int64_t items = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+      items += sh.num_kv_heads * ((qstart[s + 1] - qstart[s] + tok_tile - 1) / tok_tile);
+    if (items >= 4 * threads) break;
+  }
+  return rows;
+}
+
 template <int ND, typename T, typename C>
 void paged_attention_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* table,
                           const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
                           const AttnShape& sh) {
   const int threads = at::get_num_threads();
-  AttnPlan plan(seq_lens, qstart, num_seqs, sh, threads);
-  std::atomic<size_t> next{0};
+  bool amx = false;
 #if defined(TW_ATTN_AMX)
-  // the matrix unit for items of many rows, where the primitives are the bf16 ones
-  const bool amx = std::is_same_v<AttnIsa<ND, T>, AttnBf16Dot> && amx_on() &&
-                   plan.rows_max >= 8;
+  // the matrix unit for items of many rows (a sequence of 8 query rows or more), where
+  // the primitives are the bf16 ones; such items then take up to kMaxRowsAmx rows
+  if constexpr (std::is_same_v<AttnIsa<ND, T>, AttnBf16Dot>) {
+    int64_t most = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) most = std::max<int64_t>(most, qstart[s + 1] - qstart[s]);
+    amx = most * sh.group >= 8 && amx_on();
+  }
 #endif
+  AttnPlan plan(seq_lens, qstart, num_seqs, sh, threads,
+                amx ? rows_for(qstart, num_seqs, sh, threads) : kMaxRows);
+  std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local AttnScratch w;
-    w.reserve(sh.head_dim);
+    w.reserve(sh.head_dim, plan.max_rows);
 #if defined(TW_ATTN_AMX)
     const AmxRegion tiles(amx);
     w.amx = amx;

@@ -73,14 +73,15 @@ inline void pair_keys(const c10::BFloat16* const* krows, int nk, uint32_t* kp) {
   }
 }
 
-// Scores of query rows [0, rows) (bf16 [rows][D] in qb) against the key tile kp
-// (pair_keys; nk keys), unscaled, into s [row][kKeyTile]. Rows up to the next multiple of
-// 16 are computed too (from whatever qb holds there) and left unused.
+// Scores of query rows [r0, r1) (bf16 [row][D] in qb; r0 a multiple of 16) against the
+// key tile kp (pair_keys; nk keys), unscaled, into s [row][kKeyTile]. Rows up to the next
+// multiple of 16 are computed too (from whatever qb holds there) and left unused.
 template <int ND>
-inline void scores_amx(const c10::BFloat16* qb, int rows, const uint32_t* kp, int nk, float* s) {
+inline void scores_amx(const c10::BFloat16* qb, int r0, int r1, const uint32_t* kp, int nk,
+                       float* s) {
   constexpr int D = ND * kLanes, NC = D / 32;
-  const int rb_n = (rows + 15) / 16, kb_n = (nk + 15) / 16;
-  for (int rb = 0; rb < rb_n; rb += 2) {
+  const int rb_n = (r1 + 15) / 16, kb_n = (nk + 15) / 16;
+  for (int rb = r0 / 16; rb < rb_n; rb += 2) {
     const bool two_r = rb + 1 < rb_n;
     for (int kb = 0; kb < kb_n; kb += 2) {
       const bool two_k = kb + 1 < kb_n;
@@ -111,15 +112,15 @@ inline void scores_amx(const c10::BFloat16* qb, int rows, const uint32_t* kp, in
   }
 }
 
-// The online-softmax step of a key tile for query rows [0, rows) (as softmax_rows, on
+// The online-softmax step of a key tile for query rows [r0, rows) (as softmax_rows, on
 // unscaled scores s [row][kKeyTile] from scores_amx): the rows' scaled scores and new
 // maxima, the factors by which their outputs shrink (one vector exp for 16 rows), then
 // their probabilities rounded to bf16 into w.pb (the A operands of P V; zeros for masked
 // keys and for the rows past `rows` up to a multiple of 16) and the output rows in w.o
 // rescaled where their maximum moved.
 template <int ND>
-inline void softmax_amx(AttnScratch& w, float scale, int rows, int64_t G, int64_t rel, int nk,
-                        int64_t window) {
+inline void softmax_amx(AttnScratch& w, float scale, int r0, int rows, int64_t G, int64_t rel,
+                        int nk, int64_t window) {
   constexpr int D = ND * kLanes;
   const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(kNegInf);
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -127,10 +128,10 @@ inline void softmax_amx(AttnScratch& w, float scale, int rows, int64_t G, int64_
   uint16_t* pb = w.pb.data();
   float* o = w.o.data();
   const int padded = (rows + 15) / 16 * 16;
-  alignas(64) float change[kMaxRows];  // m - m_new a row (then the factor exp of it)
-  bool visible[kMaxRows];
+  alignas(64) float change[kMaxRowsAmx];  // m - m_new a row (then the factor exp of it)
+  bool visible[kMaxRowsAmx];
   // the rows' scores scaled (masked keys -inf) and their new maxima
-  for (int r = 0; r < rows; ++r) {
+  for (int r = r0; r < rows; ++r) {
     const int64_t seen = std::min<int64_t>(nk, rel + r / G + 1);  // causal
     const int64_t lo = window_lo(rel + r / G, window, 0);
     visible[r] = seen > lo;
@@ -151,9 +152,9 @@ inline void softmax_amx(AttnScratch& w, float scale, int rows, int64_t G, int64_
     w.m[r] = m_new;
   }
   for (int r = rows; r < padded; ++r) change[r] = 0.0f;
-  for (int r = 0; r < padded; r += kLanes)  // exp of 16 rows' changes at once
+  for (int r = r0; r < padded; r += kLanes)  // exp of 16 rows' changes at once
     _mm512_store_ps(change + r, (__m512)vexp((f32x16)_mm512_load_ps(change + r)));
-  for (int r = 0; r < rows; ++r) {
+  for (int r = r0; r < rows; ++r) {
     uint16_t* dst = pb + r * kKeyTile;
     if (!visible[r]) {
       std::memset(dst, 0, kKeyTile * 2);
@@ -180,15 +181,15 @@ inline void softmax_amx(AttnScratch& w, float scale, int rows, int64_t G, int64_
   for (int r = rows; r < padded; ++r) std::memset(pb + r * kKeyTile, 0, kKeyTile * 2);
 }
 
-// o += P V for rows [0, rows): P the bf16 probabilities in pb (softmax_amx; zero past nk),
-// V the tile by key pairs (pair_values into vp; the pairs past nk zeroed here up to a
-// multiple of 32 keys, so that stale values never meet a zero probability as NaN).
+// o += P V for rows [r0, r1) (r0 a multiple of 16): P the bf16 probabilities in pb
+// (softmax_amx; zero past nk), V the tile by key pairs in vp (pair_values, the pairs past
+// nk zero up to a multiple of 32 keys: see tile_amx).
 template <int ND>
-inline void accumulate_amx(float* o, int rows, uint32_t* vp, int nk, const uint16_t* pb) {
+inline void accumulate_amx(float* o, int r0, int r1, const uint32_t* vp, int nk,
+                           const uint16_t* pb) {
   constexpr int D = ND * kLanes;
-  const int rb_n = (rows + 15) / 16, kc_n = (nk + 31) / 32;
-  for (int k2 = (nk + 1) / 2; k2 < kc_n * 16; ++k2) std::memset(vp + k2 * D, 0, D * 4);
-  for (int rb = 0; rb < rb_n; rb += 2) {
+  const int rb_n = (r1 + 15) / 16, kc_n = (nk + 31) / 32;
+  for (int rb = r0 / 16; rb < rb_n; rb += 2) {
     const bool two_r = rb + 1 < rb_n;
     for (int db = 0; db < ND; db += 2) {  // ND even: column blocks in pairs
       float* out = o + rb * 16 * D + db * 16;
@@ -218,6 +219,26 @@ inline void accumulate_amx(float* o, int rows, uint32_t* vp, int nk, const uint1
       }
     }
   }
+}
+
+// A key tile (keys krows, the V tile paired in w.v by pair_values) for query rows
+// [0, rows) of the item: the keys paired, then the scores, softmax and P V of every row.
+template <int ND>
+inline void tile_amx(AttnScratch& w, float scale, int rows, int64_t G, int64_t rel, int nk,
+                     int64_t window, const c10::BFloat16* const* krows) {
+  constexpr int D = ND * kLanes;
+  uint32_t* kp = reinterpret_cast<uint32_t*>(w.kt.data());
+  uint32_t* vp = reinterpret_cast<uint32_t*>(w.v.data());
+  pair_keys<ND>(krows, nk, kp);
+  // pairs past nk up to 32 keys: zeros, so that stale values never meet a zero
+  // probability (0 x NaN)
+  for (int k2 = (nk + 1) / 2; k2 < (nk + 31) / 32 * 16; ++k2) std::memset(vp + k2 * D, 0, D * 4);
+  // each phase over every row before the next: a tile load of lines that vector stores
+  // just wrote (or a vector load of a tile store's) waits for them, and phases slab by
+  // slab were slower (measured: 0.84-0.96x of phases over the whole item)
+  scores_amx<ND>(w.qb.data(), 0, rows, kp, nk, w.s.data());
+  softmax_amx<ND>(w, scale, 0, rows, G, rel, nk, window);
+  accumulate_amx<ND>(w.o.data(), 0, rows, vp, nk, w.pb.data());
 }
 
 }  // namespace tw

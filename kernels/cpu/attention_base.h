@@ -14,6 +14,9 @@ namespace tw {
 constexpr int kKeyTile = 64;        // keys per tile
 constexpr int kTileVecs = kKeyTile / kLanes;
 constexpr int kMaxRows = 64;        // query rows (tokens x group heads) per work item
+// ... where they run on the matrix unit: its products cost little beside the key and
+// value tiles each item stages (and reads from memory), so an item takes more rows
+constexpr int kMaxRowsAmx = 512;
 constexpr int kPartTokens = 512;    // context tokens per part when a context is split
 constexpr int kAheadKeys = 128;     // how far ahead of the keys in use the prefetches run
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -39,19 +42,23 @@ struct AttnScratch {
   std::vector<float> q, o, s, kt, v, m, l;
   std::vector<float> kq;          // a q8 cache's key tile as fp32 rows (kKeyTile x d)
   std::vector<c10::BFloat16> qb;  // bf16 queries, unscaled (the bf16 dot-product path)
-  std::vector<uint16_t> pb;       // bf16 probabilities [kMaxRows][kKeyTile] (the AMX path)
+  std::vector<uint16_t> pb;       // bf16 probabilities [rows][kKeyTile] (the AMX path)
   bool amx = false;               // the thread's tiles are configured: many rows use AMX
-  void reserve(int64_t d) {
-    q.resize(kMaxRows * d);
-    qb.resize(kMaxRows * d);
-    pb.resize(kMaxRows * kKeyTile);
-    o.resize(kMaxRows * d);
-    s.resize(kMaxRows * kKeyTile);
+  void reserve(int64_t d, int64_t rows = kMaxRows) {  // rows: an item's most (grows only)
+    if (static_cast<int64_t>(m.size()) >= rows && static_cast<int64_t>(kt.size()) >= d * kKeyTile)
+      return;
+    rows = std::max<int64_t>(rows, static_cast<int64_t>(m.size()));
+    d = std::max<int64_t>(d, static_cast<int64_t>(kt.size()) / kKeyTile);
+    q.resize(rows * d);
+    qb.resize(rows * d);
+    pb.resize(rows * kKeyTile);
+    o.resize(rows * d);
+    s.resize(rows * kKeyTile);
     kt.resize(d * kKeyTile);
     kq.resize(kKeyTile * d);
     v.resize(kKeyTile * d);
-    m.resize(kMaxRows);
-    l.resize(kMaxRows);
+    m.resize(rows);
+    l.resize(rows);
   }
 };
 

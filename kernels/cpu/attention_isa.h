@@ -5,8 +5,9 @@
 //   AttnBf16Dot  bf16 pairs summed in fp32 by vdpbf16ps (AVX512-BF16; bf16 activations)
 // Each set reads key rows of any element type a row loader hands it (attention_rows.h)
 // and has the same members: Row (what a dequantizing loader should produce),
-// stage_queries, scores, stage_values, softmax and accumulate. Where the CPU has AMX,
-// AttnBf16Dot runs items of many rows on the matrix unit (attention_amx.h).
+// stage_queries, whole_tile (a tile done in one go, where a set has a way to: false
+// otherwise), scores, stage_values and accumulate. Where the CPU has AMX, AttnBf16Dot
+// runs items of many rows on the matrix unit (attention_amx.h).
 #pragma once
 
 #include <cstring>
@@ -342,10 +343,10 @@ struct AttnF32x16 {
   static void stage_values(const R* const* vrows, int nk, AttnScratch& w) {
     stage_values_f32<ND>(vrows, nk, w);
   }
-  template <int ND>
-  static void softmax(AttnScratch& w, float, int rows, int64_t G, int64_t rel, int nk,
-                      int64_t window, float* corr) {
-    softmax_rows(w.s.data(), rows, G, rel, nk, window, w, corr);
+  template <int ND, typename R>
+  static bool whole_tile(AttnScratch&, float, int, int64_t, int64_t, int, int64_t,
+                         const TileRows<R>&) {
+    return false;
   }
   template <int ND>
   static void accumulate(AttnScratch& w, int rows, const float* corr, int nk) {
@@ -371,10 +372,10 @@ struct AttnF32x8 {
   static void stage_values(const R* const* vrows, int nk, AttnScratch& w) {
     stage_values_f32<ND>(vrows, nk, w);
   }
-  template <int ND>
-  static void softmax(AttnScratch& w, float, int rows, int64_t G, int64_t rel, int nk,
-                      int64_t window, float* corr) {
-    softmax_rows(w.s.data(), rows, G, rel, nk, window, w, corr);
+  template <int ND, typename R>
+  static bool whole_tile(AttnScratch&, float, int, int64_t, int64_t, int, int64_t,
+                         const TileRows<R>&) {
+    return false;
   }
   template <int ND>
   static void accumulate(AttnScratch& w, int rows, const float* corr, int nk) {
@@ -405,14 +406,6 @@ struct AttnBf16Dot {
       return;
     }
     prefetch_ahead<ND>(t);  // many rows: a tile's arithmetic dwarfs its prefetches
-#if defined(TW_ATTN_AMX)
-    if (w.amx) {
-      uint32_t* kp = reinterpret_cast<uint32_t*>(w.kt.data());
-      pair_keys<ND>(t.k, nk, kp);
-      scores_amx<ND>(w.qb.data(), rows, kp, nk, w.s.data());
-      return;
-    }
-#endif
     scores_by_tile_bf16<ND>(w.qb.data(), scale, rows, t.k, nk, w.kt.data(), w.s.data());
   }
   template <int ND>
@@ -420,29 +413,24 @@ struct AttnBf16Dot {
     // (kKeyTile even: the pairs never straddle tiles)
     pair_values<ND>(vrows, nk, reinterpret_cast<uint32_t*>(w.v.data()));
   }
-  // On the matrix unit the scores come unscaled: the softmax scales them, rounds the
-  // probabilities to bf16 for the P V tiles and rescales the output rows in one pass.
+  // Items of 8 rows or more on the matrix unit, where the thread's tiles are set up
+  // (attention_amx.h): the whole tile, scores to P V, there.
   template <int ND>
-  static void softmax(AttnScratch& w, float scale, int rows, int64_t G, int64_t rel, int nk,
-                      int64_t window, float* corr) {
+  static bool whole_tile(AttnScratch& w, float scale, int rows, int64_t G, int64_t rel, int nk,
+                         int64_t window, const TileRows<Row>& t) {
 #if defined(TW_ATTN_AMX)
     if (w.amx && rows >= 8) {
-      softmax_amx<ND>(w, scale, rows, G, rel, nk, window);
-      return;
+      prefetch_ahead<ND>(t);
+      stage_values<ND>(t.v, nk, w);
+      tile_amx<ND>(w, scale, rows, G, rel, nk, window, t.k);
+      return true;
     }
 #endif
-    (void)scale;
-    softmax_rows(w.s.data(), rows, G, rel, nk, window, w, corr);
+    (void)w, (void)scale, (void)rows, (void)G, (void)rel, (void)nk, (void)window, (void)t;
+    return false;
   }
   template <int ND>
   static void accumulate(AttnScratch& w, int rows, const float* corr, int nk) {
-#if defined(TW_ATTN_AMX)
-    if (w.amx && rows >= 8) {
-      accumulate_amx<ND>(w.o.data(), rows, reinterpret_cast<uint32_t*>(w.v.data()), nk,
-                         w.pb.data());
-      return;
-    }
-#endif
     accumulate_rows_bf16<ND>(w, rows, corr, nk);
   }
 };
