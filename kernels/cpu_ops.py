@@ -92,7 +92,9 @@ PAGED_HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # the head dims paged_attentio
 def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                     query_start: torch.Tensor, scale: float,
-                    num_decodes: int | None = None, window: int = 0) -> None:
+                    num_decodes: int | None = None, window: int = 0,
+                    cascade: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                    ) -> None:
     """Causal paged attention of a ragged batch, read in place from the cache, into `out`.
 
     q, out [num_tokens, num_heads, head_dim] (heads contiguous, any token stride);
@@ -105,10 +107,19 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
     [0, num_decodes) are decode steps (None: every one-token sequence), which over an
     int8 cache may take int8 queries (q8_decode_quantizes_queries). window > 0: sliding
     window, the query at position p sees keys (p - window, p] (reference.paged_attention),
-    and keys no query of a work item can see are never read; 0: full causal attention."""
+    and keys no query of a work item can see are never read; 0: full causal attention.
+
+    cascade = (members, offsets, shared), int32 (window 0 only): shared-prefix attention.
+    Group g is the sequences members[offsets[g]:offsets[g + 1]], whose block-table rows
+    begin with the same blocks for their first shared[g] keys, which lie before each of
+    their queries. Those keys are read once for the group, its queries stacked as the
+    rows of one work item, and merged with each sequence's own keys by log-sum-exp: the
+    same result to rounding (cascade_groups finds such groups)."""
+    members, offsets, shared = cascade if cascade is not None else (None, None, None)
     torch.ops.tidewire.paged_attention(out, q, k_cache, v_cache, block_table, seq_lens,
                                        query_start, scale,
-                                       -1 if num_decodes is None else num_decodes, window)
+                                       -1 if num_decodes is None else num_decodes, window,
+                                       members, offsets, shared)
 
 
 def q8_decode_quantizes_queries() -> bool:

@@ -166,6 +166,125 @@ def test_paged_attention_prefill_chunk_at_32k_and_windows_with_and_without_amx(a
                              seed=window, window=window)
 
 
+def _cascade_case(dtype: torch.dtype, q8: bool, seed: int):
+    """A step of 16 sequences in random sharing patterns: three groups whose members'
+    block tables begin with the same blocks (8, 4 and 1 blocks of 16), one member whose
+    whole context before its queries is the shared part, decodes and prefill chunks
+    among the members, and sequences that share nothing."""
+    g = torch.Generator().manual_seed(seed)
+    bs, kvh, heads, d = 16, 2, 8, 64
+    shared_blocks = [8, 4, 1]
+    seqs, groups, nxt = [], [], 0  # (q_len, ctx, table)
+    for gi, nb in enumerate(shared_blocks):
+        prefix = list(range(nxt, nxt + nb))
+        nxt += nb
+        members = []
+        for j in range(4 - gi):
+            q_len = 1 if j % 2 == 0 else int(torch.randint(2, 20, (1,), generator=g))
+            own = 0 if j == 1 else int(torch.randint(1, 60, (1,), generator=g))
+            ctx = nb * bs + own + q_len
+            extra = -(-ctx // bs) - nb
+            members.append(len(seqs))
+            seqs.append((q_len, ctx, prefix + list(range(nxt, nxt + extra))))
+            nxt += extra
+        groups.append((members, nb * bs))
+    for _ in range(16 - len(seqs)):  # sharing nothing
+        q_len = int(torch.randint(1, 9, (1,), generator=g))
+        ctx = int(torch.randint(9, 150, (1,), generator=g))
+        n = -(-ctx // bs)
+        seqs.append((q_len, ctx, list(range(nxt, nxt + n))))
+        nxt += n
+    order = torch.randperm(len(seqs), generator=g).tolist()  # groups scattered in the batch
+    where = {old: new for new, old in enumerate(order)}
+    seqs = [seqs[i] for i in order]
+    groups = [([where[m] for m in members], keys) for members, keys in groups]
+    width = max(len(t) for _, _, t in seqs)
+    table = torch.tensor([t + [0] * (width - len(t)) for _, _, t in seqs], dtype=torch.int32)
+    lens = torch.tensor([c for _, c, _ in seqs], dtype=torch.int32)
+    qstart = torch.tensor([0] + [q for q, _, _ in seqs]).cumsum(0).to(torch.int32)
+    k = torch.randn(kvh, nxt, bs, d, generator=g).to(dtype)
+    v = torch.randn(kvh, nxt, bs, d, generator=g).to(dtype)
+    q = torch.randn(int(qstart[-1]), heads, d, generator=g).to(dtype)
+    want, _ = ref.paged_attention(q.float(), k.permute(1, 2, 0, 3).float(),
+                                  v.permute(1, 2, 0, 3).float(), table, lens, qstart, d**-0.5)
+    if q8:
+        kc = torch.empty(kvh, nxt, bs * (d + 4), dtype=torch.uint8)
+        vc = torch.empty_like(kc)
+        slots = torch.arange(nxt * bs)
+        ref.q8_write(kc, vc, k.reshape(kvh, -1, d).transpose(0, 1),
+                     v.reshape(kvh, -1, d).transpose(0, 1), slots)
+    else:
+        kc, vc = k, v
+    members = torch.tensor([m for ms, _ in groups for m in ms], dtype=torch.int32)
+    offsets = torch.tensor([0] + [len(ms) for ms, _ in groups]).cumsum(0).to(torch.int32)
+    shared = torch.tensor([keys for _, keys in groups], dtype=torch.int32)
+    return q, kc, vc, table, lens, qstart, want, (members, offsets, shared), d**-0.5
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["avx512", "amx"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8"])
+def test_cascade_attention_equals_per_sequence_attention(kind: str, amx: bool) -> None:
+    """Shared prefixes read once for their groups and merged by log-sum-exp give each row
+    what attention over its whole context gives, to rounding; the rows of sequences that
+    share nothing are the same as without the cascade."""
+    if amx and kind == "float32":
+        pytest.skip("fp32 never runs on the matrix unit")
+    dtype = torch.float32 if kind == "float32" else torch.bfloat16
+    with amx_as(amx):
+        for seed in (1, 2, 3):
+            q, kc, vc, table, lens, qstart, want, cascade, scale = _cascade_case(
+                dtype, kind == "q8", seed)
+            plain = torch.full_like(q, float("nan"))
+            cpu_ops.paged_attention(plain, q, kc, vc, table, lens, qstart, scale)
+            got = torch.full_like(q, float("nan"))
+            cpu_ops.paged_attention(got, q, kc, vc, table, lens, qstart, scale, cascade=cascade)
+            tol = 2e-5 if dtype == torch.float32 else (4e-2 if kind == "q8" else 2e-2)
+            torch.testing.assert_close(got.float(), plain.float(), atol=tol, rtol=tol)
+            if kind != "q8":  # (the q8 cache's own rounding is the reference's distance)
+                torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+            alone = torch.ones(len(qstart) - 1, dtype=torch.bool)
+            alone[cascade[0].long()] = False
+            rows = torch.cat([torch.arange(int(qstart[s]), int(qstart[s + 1]))
+                              for s in range(len(alone)) if alone[s]])
+            assert torch.equal(got[rows], plain[rows])
+
+
+def test_cascade_attention_refuses_what_it_cannot_merge() -> None:
+    q, kc, vc, table, lens, qstart, _, (members, offsets, shared), scale = _cascade_case(
+        torch.float32, False, 4)
+    out = torch.empty_like(q)
+
+    def run(m, o, s, window=0):  # noqa: ANN001, ANN202
+        cpu_ops.paged_attention(out, q, kc, vc, table, lens, qstart, scale, window=window,
+                                cascade=(m, o, s))
+    with pytest.raises(RuntimeError, match="before every query"):
+        run(members, offsets, shared + 10_000)
+    with pytest.raises(RuntimeError, match="distinct"):
+        run(torch.cat([members, members[:1]]), torch.cat([offsets[:-1], offsets[-1:] + 1]),
+            shared)
+    other = table.clone()
+    other[int(members[0]), 0] = 10_000  # a member whose first block differs
+    with pytest.raises(RuntimeError, match="share the blocks"):
+        cpu_ops.paged_attention(out, q, kc, vc, other, lens, qstart, scale,
+                                cascade=(members, offsets, shared))
+    with pytest.raises(RuntimeError, match="sliding window"):
+        run(members, offsets, shared, window=5)
+
+
+def test_cascade_groups_find_shared_whole_blocks_before_every_query() -> None:
+    from engine.attention.base import cascade_groups
+
+    tables = [[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7], [5, 6], [1, 2, 3, 4, 8], [5, 6, 10]]
+    lens = [60, 60, 40, 30, 70, 33]
+    q_lens = [1, 1, 1, 1, 40, 1]
+    groups = cascade_groups(tables, lens, q_lens, 16)
+    # sequences 0, 1, 2, 4 begin with blocks 1, 2 (32 keys; sequence 4's queries start at
+    # 30, so its group's shared keys end at 16); 3 and 5 share block 5, 6 (32 keys, but 3's
+    # query sits at 29: 16)
+    assert sorted((sorted(m), k) for m, k in groups) == [([0, 1, 2, 4], 16), ([3, 5], 16)]
+    assert cascade_groups([[1, 2], [3, 4]], [20, 20], [1, 1], 16) == []
+
+
 def test_paged_attention_amx_and_avx512_paths_agree() -> None:
     """The matrix unit sums the same bf16 products in another order: the two paths differ
     by rounding only (tighter than either's distance to the fp32 reference)."""

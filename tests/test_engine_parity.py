@@ -80,6 +80,37 @@ def test_shared_prefix_hits_cache_and_stays_exact(tiny_models) -> None:
     assert llm.engine.kv.num_hits > 0
 
 
+def test_shared_prefix_attention_stays_exact(tiny_models, monkeypatch) -> None:
+    """Shared-prefix (cascade) attention, forced on for every group (the cost rule's
+    thresholds at zero): prompts behind one system prompt decode and prefill their tails
+    against its blocks once a step, and greedy output still equals HF."""
+    from engine.attention.cpu import CpuAttention
+    from kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
+    monkeypatch.setattr(CpuAttention, "CASCADE_MIN_ROWS", 0)
+    monkeypatch.setattr(CpuAttention, "CASCADE_MIN_SAVED_KEYS", 0)
+    path = tiny_models("llama", 0)
+    # eager: the compiled decode step (batches of 8 or fewer) has its own attention
+    llm = LLM(model=str(path), dtype="float32", block_size=16, max_num_batched_tokens=64,
+              enforce_eager=True)
+    attn = llm.engine.runner.attn
+    calls = []
+    real = attn._cascade
+
+    def spy(*args):  # noqa: ANN002, ANN202
+        groups = real(*args)
+        calls.append(groups is not None)
+        return groups
+    monkeypatch.setattr(attn, "_cascade", spy)
+    system = random_prompts(1, 70, 70, 320, seed=8)[0]
+    llm.generate([system + [7]], SamplingParams(max_tokens=1))  # its 4 blocks, cached
+    prompts = [system + t for t in random_prompts(6, 1, 30, 320, seed=9)]
+    _check(llm, path, prompts)
+    assert sum(calls) >= GREEDY.max_tokens - 1  # a group in (almost) every step
+
+
 def test_prefix_caching_off_is_exact(tiny_models) -> None:
     path = tiny_models("llama", 0)
     llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=False, debug=True)

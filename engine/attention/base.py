@@ -37,6 +37,36 @@ class StepLayout:
     prefills: list[PrefillSpec]
 
 
+def cascade_groups(tables: list[list[int]], seq_lens: list[int],
+                   q_lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """Sequences of a step that share prefix blocks, for shared-prefix (cascade)
+    attention: (members, shared keys) a group, each group's members being the sequences
+    whose block-table rows begin with the same block, and its shared keys the whole
+    blocks all of them hold at the start of their rows (the prefix cache hands the same
+    physical blocks to every sequence with that prefix), cut to lie before each member's
+    first query. Groups of one sequence are left out; whether a group is worth it is the
+    backend's cost rule."""
+    by_first: dict[int, list[int]] = {}
+    for i, t in enumerate(tables):
+        if t and seq_lens[i] - q_lens[i] >= block_size:
+            by_first.setdefault(t[0], []).append(i)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        rows = [tables[i] for i in members]
+        common = 0
+        for column in zip(*rows):
+            if any(b != column[0] for b in column):
+                break
+            common += 1
+        before = min(seq_lens[i] - q_lens[i] for i in members)
+        shared = min(common * block_size, before // block_size * block_size)
+        if shared > 0:
+            groups.append((members, shared))
+    return groups
+
+
 class AttentionBackend(ABC):
     """Interface: a cache layout, metadata, a cache write and paged attention."""
 
@@ -117,4 +147,6 @@ class PagedMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32: context after this step
     query_start: torch.Tensor  # [num_seqs + 1] int32
     num_decodes: int = 0  # sequences [0, num_decodes) are decode steps
+    # shared-prefix groups (cpu_ops.paged_attention's cascade: members, offsets, shared)
+    cascade: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 

@@ -31,6 +31,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -132,8 +134,11 @@ inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* 
   std::vector<AttnItem> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = qstart[s + 1] - qstart[s], ctx = seq_lens[s];
-    // keys of a one-tile sequence (the only kind split): [lo, ctx)
-    const int64_t lo = first_key(ctx - q_len, sh), keys = ctx - lo;
+    // the keys this call reads of the sequence: [from, end) (AttnShape::key_start, limit)
+    const int64_t from = sh.key_start ? sh.key_start[s] : 0;
+    const int64_t end = sh.key_limit ? std::min<int64_t>(ctx, sh.key_limit[s]) : ctx;
+    // keys of a one-tile sequence (the only kind split): [lo, end)
+    const int64_t lo = std::max(from, first_key(ctx - q_len, sh)), keys = end - lo;
     int64_t parts = 1;
     if (q_len > 0 && q_len <= tok_tile && base < 4 * threads && keys >= 2 * kPartTokens)
       parts = std::min<int64_t>((keys + kPartTokens - 1) / kPartTokens,
@@ -145,10 +150,10 @@ inline std::vector<AttnItem> plan_items(const int32_t* seq_lens, const int32_t* 
     }
     for (int64_t h = 0; h < sh.num_kv_heads; ++h)
       for (int64_t t = 0; t < q_len; t += tok_tile) {
-        const int64_t kb = parts > 1 ? lo : first_key(ctx - q_len + t, sh);
+        const int64_t kb = parts > 1 ? lo : std::max(from, first_key(ctx - q_len + t, sh));
         for (int64_t p = 0; p < parts; ++p)
           items.push_back({int32_t(s), int32_t(h), int32_t(t), int32_t(std::min(q_len, t + tok_tile)),
-                           int32_t(kb + p * span), int32_t(std::min(ctx, kb + (p + 1) * span)),
+                           int32_t(kb + p * span), int32_t(std::min(end, kb + (p + 1) * span)),
                            int32_t(parts == 1 ? -1 : p)});
       }
   }
@@ -188,6 +193,13 @@ inline void store_row(T* out, const AttnShape& sh, const int32_t* qstart, const 
   for (int j = 0; j < ND; ++j) store16(dst + j * kLanes, load16(o + j * kLanes) * inv);
 }
 
+// Row r's log-sum-exp of its scores, where the call asks for them (AttnShape::lse).
+inline void store_lse(const AttnShape& sh, const int32_t* qstart, const AttnItem& it, int64_t r,
+                      float lse) {
+  const int64_t tok = qstart[it.seq] + it.tok_begin + r / sh.group;
+  sh.lse[tok * sh.num_heads + it.kv_head * sh.group + r % sh.group] = lse;
+}
+
 // Item i of the plan: its rows into `out`, or, for a part of a split context, into the
 // plan's partial buffers.
 template <int ND, typename T, typename C>
@@ -205,6 +217,7 @@ void run_item(AttnPlan& plan, size_t i, T* out, const T* q, const C* kc, const C
     const float* o = w.o.data() + r * D;
     if (it.part < 0) {
       store_row<T, ND>(out, sh, qstart, it, r, o, inv);
+      if (sh.lse) store_lse(sh, qstart, it, r, w.l[r] > 0 ? w.m[r] + std::log(w.l[r]) : kNegInf);
       continue;
     }
     float* dst = plan.part_o.data() + (plan.part_base[i] + r) * D;
@@ -270,19 +283,29 @@ void merge_group(const AttnPlan& plan, size_t g, T* out, const int32_t* qstart,
     float merged[D];
     for (int j = 0; j < ND; ++j) store16(merged + j * kLanes, acc[j]);
     store_row<T, ND>(out, sh, qstart, it, r, merged, total > 0 ? 1.0f / total : 0.0f);
+    if (sh.lse) store_lse(sh, qstart, it, r, total > 0 ? m + std::log(total) : kNegInf);
   }
 }
 
 // The most rows an item of the matrix unit's takes: kMaxRowsAmx, fewer where the step
-// would then have under 4 items a thread.
-inline int64_t rows_for(const int32_t* qstart, int64_t num_seqs, const AttnShape& sh,
-                        int threads) {
+// would then have under 4 items a thread (counting the parts a long context of one query
+// tile is split into: those read separate keys, where smaller tiles read the same keys
+// again).
+inline int64_t rows_for(const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
+                        const AttnShape& sh, int threads) {
   int64_t rows = kMaxRowsAmx;
   for (; rows > kMaxRows; rows /= 2) {
     const int64_t tok_tile = std::max<int64_t>(1, rows / sh.group);
     int64_t items = 0;
-    for (int64_t s = 0; s < num_seqs; ++s)
-      items += sh.num_kv_heads * ((qstart[s + 1] - qstart[s] + tok_tile - 1) / tok_tile);
+    for (int64_t s = 0; s < num_seqs; ++s) {
+      const int64_t q_len = qstart[s + 1] - qstart[s];
+      const int64_t end = sh.key_limit ? std::min(seq_lens[s], sh.key_limit[s]) : seq_lens[s];
+      const int64_t keys = end - (sh.key_start ? sh.key_start[s] : 0);
+      const int64_t tiles = (q_len + tok_tile - 1) / tok_tile;
+      items += sh.num_kv_heads *
+               (tiles == 1 && keys >= 2 * kPartTokens ? (keys + kPartTokens - 1) / kPartTokens
+                                                      : tiles);
+    }
     if (items >= 4 * threads) break;
   }
   return rows;
@@ -304,7 +327,7 @@ void paged_attention_impl(T* out, const T* q, const C* kc, const C* vc, const in
   }
 #endif
   AttnPlan plan(seq_lens, qstart, num_seqs, sh, threads,
-                amx ? rows_for(qstart, num_seqs, sh, threads) : kMaxRows);
+                amx ? rows_for(seq_lens, qstart, num_seqs, sh, threads) : kMaxRows);
   std::atomic<size_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     thread_local AttnScratch w;
@@ -319,6 +342,85 @@ void paged_attention_impl(T* out, const T* q, const C* kc, const C* vc, const in
 #endif
   });
   for (size_t g = 0; g < plan.groups.size(); ++g) merge_group<ND>(plan, g, out, qstart, sh);
+}
+
+// Shared-prefix (cascade) attention: sequences whose block tables begin with the same
+// blocks read those keys once a step as a group. cascade.members[offsets[g],
+// offsets[g + 1]) are group g's sequences (each in one group at most), whose first
+// shared[g] keys are the same blocks and lie before every one of their queries. Their
+// own keys, [shared, ctx), go through the batch as usual, with each row's log-sum-exp;
+// each group's queries, gathered, attend to its shared keys as the rows of one sequence
+// (many rows: the matrix unit's shape); the two results of a row are merged by their
+// log-sum-exps. Sequences in no group run as paged_attention_impl runs them.
+struct Cascade {
+  const int32_t* members;
+  const int32_t* offsets;  // [groups + 1]
+  const int32_t* shared;   // [groups]
+  int64_t groups;
+};
+
+template <int ND, typename T, typename C>
+void cascade_attention_impl(T* out, const T* q, const C* kc, const C* vc, const int32_t* table,
+                            const int32_t* seq_lens, const int32_t* qstart, int64_t num_seqs,
+                            const AttnShape& sh, const Cascade& cas) {
+  constexpr int D = ND * kLanes;
+  const int64_t H = sh.num_heads, tokens = qstart[num_seqs];
+  std::vector<int32_t> start(num_seqs, 0);
+  int64_t gathered = 0;
+  for (int64_t g = 0; g < cas.groups; ++g)
+    for (int32_t i = cas.offsets[g]; i < cas.offsets[g + 1]; ++i) {
+      const int32_t s = cas.members[i];
+      start[s] = cas.shared[g];
+      gathered += qstart[s + 1] - qstart[s];
+    }
+  // every sequence, the groups' members from their shared keys on
+  std::vector<float> lse(tokens * H);
+  AttnShape own = sh;
+  own.key_start = start.data();
+  own.lse = lse.data();
+  paged_attention_impl<ND>(out, q, kc, vc, table, seq_lens, qstart, num_seqs, own);
+  // the groups' queries against their shared keys: one sequence a group whose queries sit
+  // past its keys (context shared + queries, keys limited to the shared ones)
+  std::vector<T> qv(gathered * H * D), ov(gathered * H * D);
+  std::vector<float> lse_v(gathered * H);
+  std::vector<int32_t> v_lens(cas.groups), v_limit(cas.groups), v_qs(cas.groups + 1, 0);
+  std::vector<int32_t> v_table(cas.groups * sh.max_blocks);
+  std::vector<int64_t> source(gathered);  // the batch token of each gathered row
+  int64_t row = 0;
+  for (int64_t g = 0; g < cas.groups; ++g) {
+    for (int32_t i = cas.offsets[g]; i < cas.offsets[g + 1]; ++i)
+      for (int32_t t = qstart[cas.members[i]]; t < qstart[cas.members[i] + 1]; ++t) {
+        std::memcpy(qv.data() + row * H * D, q + t * sh.q_stride, H * D * sizeof(T));
+        source[row++] = t;
+      }
+    v_qs[g + 1] = static_cast<int32_t>(row);
+    v_limit[g] = cas.shared[g];
+    v_lens[g] = cas.shared[g] + (v_qs[g + 1] - v_qs[g]);
+    std::memcpy(v_table.data() + g * sh.max_blocks,
+                table + int64_t(cas.members[cas.offsets[g]]) * sh.max_blocks,
+                sh.max_blocks * sizeof(int32_t));
+  }
+  AttnShape grp = sh;
+  grp.q_stride = grp.out_stride = H * D;
+  grp.key_limit = v_limit.data();
+  grp.lse = lse_v.data();
+  grp.num_decodes = 0;  // (a group's queries are never one decode's)
+  paged_attention_impl<ND>(ov.data(), qv.data(), kc, vc, v_table.data(), v_lens.data(),
+                           v_qs.data(), cas.groups, grp);
+  at::parallel_for(0, gathered, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t h = 0; h < H; ++h) {
+        T* dst = out + source[r] * sh.out_stride + h * D;
+        const T* other = ov.data() + (r * H + h) * D;
+        const float a = lse[source[r] * H + h], b = lse_v[r * H + h];
+        const float m = std::max(a, b);
+        if (m == kNegInf) continue;  // (no key at all: cannot happen, keys include its own)
+        const float wa = std::exp(a - m), wb = std::exp(b - m), inv = 1.0f / (wa + wb);
+        for (int j = 0; j < ND; ++j)
+          store16(dst + j * kLanes,
+                  (load16(dst + j * kLanes) * wa + load16(other + j * kLanes) * wb) * inv);
+      }
+  });
 }
 
 }  // namespace tw

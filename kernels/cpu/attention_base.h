@@ -35,6 +35,12 @@ struct AttnShape {
   // > 0: sliding-window attention, the query at position p sees keys (p - window, p];
   // 0: every key up to its own
   int64_t window = 0;
+  // per sequence, where set: the first key read (keys before it are another call's) and
+  // the key read up to (exclusive), whatever the positions of the queries (cascade)
+  const int32_t* key_start = nullptr;
+  const int32_t* key_limit = nullptr;
+  // where set: each query row's log-sum-exp of its scores, [tokens][num_heads]
+  float* lse = nullptr;
 };
 
 // Per-thread scratch of one work item.

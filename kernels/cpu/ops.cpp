@@ -8,6 +8,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <optional>
+#include <vector>
+
 #include "attention.h"
 #include "decode_step.h"
 #include "elementwise.h"
@@ -23,12 +27,19 @@ template <typename T, int ND>
 void attention_typed(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start,
-                     const AttnShape& sh) {
+                     const AttnShape& sh, const Cascade* cascade) {
   auto run = [&](const auto* kc, const auto* vc) {
-    paged_attention_impl<ND>(out.data_ptr<T>(), q.const_data_ptr<T>(), kc, vc,
-                             block_table.const_data_ptr<int32_t>(),
-                             seq_lens.const_data_ptr<int32_t>(),
-                             query_start.const_data_ptr<int32_t>(), seq_lens.size(0), sh);
+    if (cascade)
+      cascade_attention_impl<ND>(out.data_ptr<T>(), q.const_data_ptr<T>(), kc, vc,
+                                 block_table.const_data_ptr<int32_t>(),
+                                 seq_lens.const_data_ptr<int32_t>(),
+                                 query_start.const_data_ptr<int32_t>(), seq_lens.size(0), sh,
+                                 *cascade);
+    else
+      paged_attention_impl<ND>(out.data_ptr<T>(), q.const_data_ptr<T>(), kc, vc,
+                               block_table.const_data_ptr<int32_t>(),
+                               seq_lens.const_data_ptr<int32_t>(),
+                               query_start.const_data_ptr<int32_t>(), seq_lens.size(0), sh);
   };
   if (k_cache.scalar_type() == at::kByte)
     run(k_cache.const_data_ptr<uint8_t>(), v_cache.const_data_ptr<uint8_t>());
@@ -46,15 +57,15 @@ int64_t q8_block_size(const at::Tensor& cache, int64_t d) {
 template <typename T>
 void attention_by_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
                       const at::Tensor& v, const at::Tensor& bt, const at::Tensor& sl,
-                      const at::Tensor& qs, const AttnShape& sh) {
+                      const at::Tensor& qs, const AttnShape& sh, const Cascade* c) {
   switch (sh.head_dim % kLanes == 0 ? sh.head_dim / kLanes : 0) {
-    case 1: return attention_typed<T, 1>(out, q, k, v, bt, sl, qs, sh);
-    case 2: return attention_typed<T, 2>(out, q, k, v, bt, sl, qs, sh);
-    case 4: return attention_typed<T, 4>(out, q, k, v, bt, sl, qs, sh);
-    case 5: return attention_typed<T, 5>(out, q, k, v, bt, sl, qs, sh);
-    case 6: return attention_typed<T, 6>(out, q, k, v, bt, sl, qs, sh);
-    case 8: return attention_typed<T, 8>(out, q, k, v, bt, sl, qs, sh);
-    case 16: return attention_typed<T, 16>(out, q, k, v, bt, sl, qs, sh);
+    case 1: return attention_typed<T, 1>(out, q, k, v, bt, sl, qs, sh, c);
+    case 2: return attention_typed<T, 2>(out, q, k, v, bt, sl, qs, sh, c);
+    case 4: return attention_typed<T, 4>(out, q, k, v, bt, sl, qs, sh, c);
+    case 5: return attention_typed<T, 5>(out, q, k, v, bt, sl, qs, sh, c);
+    case 6: return attention_typed<T, 6>(out, q, k, v, bt, sl, qs, sh, c);
+    case 8: return attention_typed<T, 8>(out, q, k, v, bt, sl, qs, sh, c);
+    case 16: return attention_typed<T, 16>(out, q, k, v, bt, sl, qs, sh, c);
     default: check(false, "head_dim must be 16, 32, 64, 80, 96, 128 or 256");
   }
 }
@@ -62,7 +73,10 @@ void attention_by_dim(at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start, double scale,
-                     int64_t num_decodes, int64_t window) {
+                     int64_t num_decodes, int64_t window,
+                     const std::optional<at::Tensor>& cascade_members,
+                     const std::optional<at::Tensor>& cascade_offsets,
+                     const std::optional<at::Tensor>& cascade_shared) {
   check(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [tokens, heads, head_dim]");
   const bool q8 = k_cache.scalar_type() == at::kByte;
   check(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
@@ -100,10 +114,50 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   check(window >= 0 && window <= std::numeric_limits<int32_t>::max(),
         "window must be 0 (full causal attention) or a positive number of keys");
   sh.window = window;
+  Cascade cas{};
+  const bool cascade = cascade_members.has_value();
+  if (cascade) {
+    check(cascade_offsets.has_value() && cascade_shared.has_value(),
+          "cascade needs members, offsets and shared key counts");
+    const at::Tensor& mem = *cascade_members;
+    const at::Tensor& off = *cascade_offsets;
+    const at::Tensor& shr = *cascade_shared;
+    check(mem.scalar_type() == at::kInt && off.scalar_type() == at::kInt &&
+              shr.scalar_type() == at::kInt && mem.is_contiguous() && off.is_contiguous() &&
+              shr.is_contiguous() && off.dim() == 1 && off.size(0) == shr.size(0) + 1,
+          "cascade: contiguous int32 members, offsets [groups + 1], shared [groups]");
+    check(window == 0, "cascade: full causal attention only (no sliding window)");
+    cas = Cascade{mem.const_data_ptr<int32_t>(), off.const_data_ptr<int32_t>(),
+                  shr.const_data_ptr<int32_t>(), shr.size(0)};
+    const int32_t* qs = query_start.const_data_ptr<int32_t>();
+    const int32_t* sl = seq_lens.const_data_ptr<int32_t>();
+    const int32_t* bt = block_table.const_data_ptr<int32_t>();
+    const int64_t n = seq_lens.size(0), width = block_table.size(1);
+    std::vector<bool> seen(n, false);
+    check(cas.offsets[0] == 0 && cas.offsets[cas.groups] == mem.numel(),
+          "cascade: offsets must run 0..len(members)");
+    for (int64_t g = 0; g < cas.groups; ++g) {
+      const int32_t lo = cas.offsets[g], hi = cas.offsets[g + 1], keys = cas.shared[g];
+      check(hi > lo && keys >= 0, "cascade: every group has members and shared keys >= 0");
+      const int32_t first = cas.members[lo];
+      for (int32_t i = lo; i < hi; ++i) {
+        const int32_t s = cas.members[i];
+        check(s >= 0 && s < n && !seen[s], "cascade: members are distinct sequences");
+        seen[s] = true;
+        check(keys <= sl[s] - (qs[s + 1] - qs[s]),
+              "cascade: shared keys must lie before every query of their members");
+        check(std::equal(bt + int64_t(s) * width, bt + int64_t(s) * width + (keys + bs - 1) / bs,
+                         bt + int64_t(first) * width),
+              "cascade: members must share the blocks of their shared keys");
+      }
+    }
+  }
+  const Cascade* c = cascade ? &cas : nullptr;
   if (q.scalar_type() == at::kFloat)
-    attention_by_dim<float>(out, q, k_cache, v_cache, block_table, seq_lens, query_start, sh);
+    attention_by_dim<float>(out, q, k_cache, v_cache, block_table, seq_lens, query_start, sh, c);
   else if (q.scalar_type() == at::kBFloat16)
-    attention_by_dim<c10::BFloat16>(out, q, k_cache, v_cache, block_table, seq_lens, query_start, sh);
+    attention_by_dim<c10::BFloat16>(out, q, k_cache, v_cache, block_table, seq_lens, query_start,
+                                    sh, c);
   else
     check(false, "dtype must be float32 or bfloat16");
 }
@@ -616,7 +670,8 @@ void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at
 TORCH_LIBRARY(tidewire, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_table, Tensor seq_lens, Tensor query_start, float scale, "
-        "int num_decodes=-1, int window=0) -> ()",
+        "int num_decodes=-1, int window=0, Tensor? cascade_members=None, "
+        "Tensor? cascade_offsets=None, Tensor? cascade_shared=None) -> ()",
         &tw::paged_attention);
   m.def("gguf_linear_small(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
         &tw::gguf_linear_small);

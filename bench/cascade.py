@@ -1,0 +1,126 @@
+"""`tidewire bench cascade`: shared-prefix (cascade) attention on and off, side by side.
+
+1. The kernel (CPU backend): decodes of `n` sequences that share `P` prefix keys and hold
+   64 of their own, timed with and without the cascade (the table the CPU backend's
+   cost rule, engine/attention/cpu.py, was read from).
+2. The engine: chat-64 lengths behind one shared system prompt of --prefix-tokens tokens
+   (cached once first, so every request holds the same prefix blocks), output tok/s with
+   the cascade and without it, alternating, --rounds each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="registry name, HF model directory or .gguf file")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="the weights' dtype (auto: bfloat16 on a CPU with AVX512-BF16/AMX)")
+    p.add_argument("--prefix-tokens", type=int, default=2000,
+                   help="the shared system prompt's length")
+    p.add_argument("--num-requests", type=int, default=64,
+                   help="requests behind the shared prompt (chat-64's lengths after it)")
+    p.add_argument("--rounds", type=int, default=2, help="engine runs per setting")
+    p.add_argument("--skip-kernel", action="store_true", help="only the engine comparison")
+    p.add_argument("--skip-engine", action="store_true", help="only the kernel table")
+    p.add_argument("--json", type=Path, default=None, help="write the figures here")
+
+
+def _best_us(fn: Callable[[], Any], repeats: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e6
+
+
+def kernel_case(n: int, shared: int, own: int = 64, heads: int = 9, kv_heads: int = 3,
+                d: int = 64, bs: int = 16, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """n decodes whose block tables begin with the same shared // bs blocks."""
+    from kernels import cpu_ops
+
+    pb, ob = shared // bs, -(-own // bs)
+    g = torch.Generator().manual_seed(n * 7919 + shared)
+    kc = torch.randn(kv_heads, pb + n * ob, bs, d, generator=g).to(dtype)
+    vc = torch.randn(kv_heads, pb + n * ob, bs, d, generator=g).to(dtype)
+    table = torch.tensor([list(range(pb)) + list(range(pb + i * ob, pb + (i + 1) * ob))
+                          for i in range(n)], dtype=torch.int32)
+    lens = torch.full((n,), shared + own, dtype=torch.int32)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    groups = (torch.arange(n, dtype=torch.int32), torch.tensor([0, n], dtype=torch.int32),
+              torch.tensor([shared], dtype=torch.int32))
+
+    def run(cascade: Any) -> Callable[[], None]:
+        return lambda: cpu_ops.paged_attention(out, q, kc, vc, table, lens, starts, d**-0.5, n,
+                                               cascade=cascade)
+    plain, cascade = _best_us(run(None)), _best_us(run(groups))
+    return {"members": n, "shared_keys": shared, "plain_us": plain, "cascade_us": cascade,
+            "speedup": plain / cascade}
+
+
+def engine_case(a: argparse.Namespace) -> dict:
+    from bench.offline import run_tidewire
+    from bench.workloads import BenchRequest, chat64
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.num_requests)
+    attn = llm.engine.runner.attn
+    if not hasattr(attn, "cascade"):
+        raise SystemExit(f"the {attn.name} backend has no shared-prefix switch")
+    vocab = llm.engine.arch.vocab_size
+    system = [100 + (j * 7919) % (vocab - 100) for j in range(a.prefix_tokens)]
+    llm.generate([system + [5]], SamplingParams(max_tokens=1))  # the prefix, cached once
+    work = [BenchRequest(system + r.prompt_token_ids, r.max_tokens)
+            for r in chat64(vocab, a.num_requests, prompt_range=(20, 300),
+                            output_range=(16, 256))]
+    runs: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(a.rounds):
+        for on in (True, False):
+            attn.cascade = on
+            runs[on].append(run_tidewire(llm, work)["output_tok_s"])
+    attn.cascade = True
+    on, off = statistics.median(runs[True]), statistics.median(runs[False])
+    return {"model": a.model, "prefix_tokens": a.prefix_tokens, "requests": a.num_requests,
+            "cascade_tok_s": on, "plain_tok_s": off, "speedup": on / off,
+            "runs": {"cascade": runs[True], "plain": runs[False]}}
+
+
+def main(a: argparse.Namespace) -> int:
+    from kernels import cpu_ops
+
+    result: dict[str, Any] = {"amx": cpu_ops.amx(), "threads": torch.get_num_threads()}
+    if not a.skip_kernel:
+        if not cpu_ops.available():
+            print("the compiled CPU kernels are unavailable here: no kernel table")
+        else:
+            rows = [kernel_case(n, p) for n in (2, 4, 8, 16, 64) for p in (64, 256, 2048)]
+            result["kernel"] = rows
+            print(f"kernel (AMX {cpu_ops.amx()}): decodes sharing a prefix, 9/3 heads d64 bf16")
+            for r in rows:
+                print(f"  {r['members']:3d} sequences, {r['shared_keys']:5d} shared keys: "
+                      f"plain {r['plain_us']:8.1f} us, cascade {r['cascade_us']:8.1f} us, "
+                      f"{r['speedup']:.2f}x")
+    if not a.skip_engine:
+        e = engine_case(a)
+        result["engine"] = e
+        print(f"engine: {e['requests']} requests behind a {e['prefix_tokens']}-token shared "
+              f"prompt ({e['model']}): cascade {e['cascade_tok_s']:.1f} tok/s, without "
+              f"{e['plain_tok_s']:.1f} tok/s, {e['speedup']:.2f}x")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=2))
+    return 0
