@@ -293,6 +293,33 @@ def test_gemma_norms_scale_in_fp32_before_the_cast_as_hf() -> None:
     close(got_tr.cpu(), want, torch.bfloat16)
 
 
+def test_triton_backend_runs_a_shared_prefix_once_and_stays_exact(tiny_models,
+                                                                   monkeypatch) -> None:
+    """Steps whose sequences all share prefix blocks go through cascade_attention (the
+    cost rule's thresholds lowered to this small step): greedy output equals HF."""
+    from engine import LLM, SamplingParams
+    from engine.attention.triton import TritonAttention
+    from tests.conftest import hf_greedy, random_prompts
+
+    if DEV == "cuda":
+        pytest.skip("a GPU is present: the interpreter backend is for machines without one")
+    monkeypatch.setattr(TritonAttention, "CASCADE_MIN_SEQS", 2)
+    monkeypatch.setattr(TritonAttention, "CASCADE_MIN_SAVED_KEYS", 0)
+    path = tiny_models("llama", 0, head_dim=16)
+    llm = LLM(model=str(path), dtype="float32", block_size=16, attention_backend="triton-interpret",
+              kv_tier="none")
+    attn = llm.engine.runner.attn
+    used = []
+    real = attn._cascade
+    monkeypatch.setattr(attn, "_cascade", lambda *a, **k: used.append(1) or real(*a, **k))
+    system = random_prompts(1, 33, 33, 320, seed=21)[0]
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    llm.generate([system], SamplingParams(max_tokens=1))  # its 2 blocks, cached
+    prompts = [system + t for t in random_prompts(3, 1, 6, 320, seed=22)]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == hf_greedy(path, prompts, 3)
+    assert used  # (the decode steps: every sequence behind the 32 shared keys)
+
+
 def test_engine_with_triton_interpret_backend_matches_cpu_backend(tiny_models) -> None:
     """The whole engine on the Triton kernels (attention, cache write, RMSNorm, RoPE,
     SiLU-mul) under the interpreter: the same greedy tokens as the CPU backend and HF,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend, StepLayout
+from engine.attention.base import AttentionBackend, StepLayout, cascade_groups
 
 # A decode-only step whose longest context reaches this many tokens splits each
 # sequence's keys into partitions (flash-decoding): few long sequences would otherwise
@@ -32,6 +32,9 @@ class TritonMetadata:
     max_query_len: int
     max_seq_len: int
     decode_only: bool
+    # a prefix every sequence of the step shares (its block ids, its keys), run by
+    # kernels/cascade_attention.py; None: none, or not worth it
+    prefix: tuple[torch.Tensor, int] | None = None
 
 
 class TritonAttention(AttentionBackend):
@@ -44,9 +47,36 @@ class TritonAttention(AttentionBackend):
         self._check_device()
         from kernels import paged_attention, paged_decode_splitk, reshape_and_cache
 
+        from kernels import cascade_attention
+
         self._paged = paged_attention.paged_attention
         self._splitk = paged_decode_splitk.paged_decode_splitk
+        self._cascade = cascade_attention.cascade_attention
         self._cache_write = reshape_and_cache.reshape_and_cache
+        # shared-prefix attention where every sequence of a step shares prefix blocks and
+        # the rule below says it pays (TIDEWIRE_CASCADE=0: never)
+        self.cascade = os.environ.get("TIDEWIRE_CASCADE", "1") not in ("0", "false", "")
+
+    # The kernel takes one prefix for the whole step (kernels/cascade_attention.py), so a
+    # step qualifies when all its sequences share one. Unmeasured on a GPU so far (no GPU
+    # was lent when this was written): the rule is the CPU kernel's (engine/attention/
+    # cpu.py), which a `tidewire bench cascade` run on a GPU should replace.
+    CASCADE_MIN_SEQS = 8
+    CASCADE_MIN_SAVED_KEYS = 1024
+
+    def _prefix(self, rows: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, int] | None:
+        if not self.cascade or len(rows) < 2:
+            return None
+        groups = cascade_groups([ids for _, _, ids in rows], [n for _, n, _ in rows],
+                                [q for q, _, _ in rows], self.block_size)
+        if len(groups) != 1 or len(groups[0][0]) != len(rows):
+            return None
+        members, keys = groups[0]
+        if len(members) < self.CASCADE_MIN_SEQS or \
+                (len(members) - 1) * keys < self.CASCADE_MIN_SAVED_KEYS:
+            return None
+        ids = rows[members[0]][2][: keys // self.block_size]
+        return torch.tensor(ids, dtype=torch.int32, device=self.device), keys
 
     def _check_device(self) -> None:
         if not torch.cuda.is_available():
@@ -72,7 +102,7 @@ class TritonAttention(AttentionBackend):
             torch.tensor([n for _, n, _ in rows], dtype=torch.int32, device=dev),
             torch.tensor(starts, dtype=torch.int32, device=dev),
             max((q for q, _, _ in rows), default=1), max((n for _, n, _ in rows), default=1),
-            not layout.prefills)
+            not layout.prefills, self._prefix(rows))
 
     def write_cache(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: object) -> None:
@@ -82,6 +112,11 @@ class TritonAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: object, window: int = 0) -> torch.Tensor:
         assert isinstance(meta, TritonMetadata)
+        if meta.prefix is not None and window == 0:
+            ids, keys = meta.prefix
+            return self._cascade(q, k_cache, v_cache, ids, keys, meta.block_tables,
+                                 meta.seq_lens, meta.query_start_loc, self.scale,
+                                 meta.max_query_len)
         # the keys a decode reads: its context, or at most its window
         seen = min(meta.max_seq_len, window) if window > 0 else meta.max_seq_len
         if meta.decode_only and seen >= SPLIT_K_MIN_CONTEXT:
