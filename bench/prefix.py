@@ -82,10 +82,14 @@ class _PrivateRedis:
 
 
 def _llm(a: argparse.Namespace, **kw: Any) -> Any:
+    """An engine as a replica has it once /ready: loaded and warmed up (the server's
+    engine thread runs LLMEngine.warm_up before it reports ready)."""
     from engine import LLM
 
-    return LLM(model=a.model, dtype=a.dtype, max_num_batched_tokens=512,
-               attention_backend=a.attention_backend, **kw)
+    llm = LLM(model=a.model, dtype=a.dtype, max_num_batched_tokens=512,
+              attention_backend=a.attention_backend, **kw)
+    llm.engine.warm_up()
+    return llm
 
 
 def ttft(llm: Any, prompt: list[int]) -> tuple[float, dict[str, int]]:

@@ -97,6 +97,8 @@ class EngineThread:
     def _run(self, loaded: asyncio.Future[None], on_death: Callable[[str], None]) -> None:
         try:
             self.engine = self._build(self.config, self.progress)
+            with self.progress.phase("warm-up"):  # the first request's once-only costs
+                self.engine.warm_up()
         except BaseException as e:  # noqa: BLE001 - reported to start()'s caller
             self._tell_loaded(loaded, e)
             return

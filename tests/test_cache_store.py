@@ -70,6 +70,22 @@ def test_codec_rejects_damaged_values(damage: str) -> None:
         decode(bytes(v))
 
 
+def test_codec_refuses_the_crc32_values_of_its_first_version() -> None:
+    """Version 1 (a CRC-32 in 4 bytes) gave way to version 3 (XXH3-64): a value an earlier
+    Tidewire wrote is a miss, not misread as a payload shifted by 4 bytes."""
+    import struct
+    import zlib
+
+    from cache_store.codec import _FIELDS, MAGIC
+
+    dims = list(SHAPE) + [0] * (6 - len(SHAPE))
+    head = _FIELDS.pack(MAGIC, 1, _FIELDS.size + 4, b"bfloat16", len(SHAPE), *dims, FP, H[0],
+                        len(PAYLOAD))
+    old = head + struct.pack("<I", zlib.crc32(PAYLOAD)) + PAYLOAD
+    with pytest.raises(CorruptValue, match="CRC-32 of an earlier"):
+        decode(old)
+
+
 def test_codec_rejects_another_block_model_dtype_or_shape() -> None:
     v = value(0)
     with pytest.raises(CorruptValue):

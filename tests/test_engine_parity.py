@@ -111,6 +111,25 @@ def test_shared_prefix_attention_stays_exact(tiny_models, monkeypatch) -> None:
     assert sum(calls) >= GREEDY.max_tokens - 1  # a group in (almost) every step
 
 
+def test_warm_up_runs_both_samplers_and_leaves_nothing_behind(tiny_models) -> None:
+    """The server's warm-up before /ready (LLMEngine.warm_up): steps run, and afterwards
+    every block is free, nothing is in the prefix cache, the counters the stats report
+    read as before, and the engine's output is what it would have been."""
+    path = tiny_models("llama", 0)
+    llm = LLM(model=str(path), dtype="float32", debug=True)
+    eng = llm.engine
+    stepped = []
+    real = eng.step
+    eng.step = lambda *a, **k: stepped.append(1) or real(*a, **k)  # type: ignore[method-assign]
+    assert eng.warm_up() > 0 and len(stepped) >= 3
+    del eng.step
+    assert eng.num_steps == 0 and eng.kv.num_queries == 0 and eng.kv.num_hits == 0
+    assert eng.kv.num_free_blocks == eng.num_blocks and eng.kv.pool.cached == {}
+    assert not eng.has_unfinished()
+    prompts = random_prompts(3, 5, 30, 320, seed=12)
+    _check(llm, path, prompts)
+
+
 def test_prefix_caching_off_is_exact(tiny_models) -> None:
     path = tiny_models("llama", 0)
     llm = LLM(model=str(path), dtype="float32", enable_prefix_caching=False, debug=True)

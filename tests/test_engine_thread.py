@@ -41,6 +41,9 @@ class FakeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.left)
 
+    def warm_up(self) -> float:
+        return 0.0
+
     def add(self, req: Request) -> list[StepOutput]:
         if req.request_id in self.left:
             raise ValueError(f"request {req.request_id!r} is in flight")
