@@ -3,7 +3,8 @@
 # bare and keeps nothing): the kernel tests compiled for the GPU (parity with the torch
 # references, the engine against the CPU backend and HF), the engine thread's async
 # output on the GPU, `bench kernels`, and `bench offline` / `bench ws` (with and without
-# async output) / `bench prefix --parts overhead` (host tier none vs memory) on
+# async output) / `bench prefix --parts overhead` (host tier none vs memory) / `bench
+# cascade` (shared-prefix attention on and off) on
 # random-weight models of real shapes.
 #
 #   bench/gpu.sh OUT_DIR [CONFIG_DIR]
@@ -40,6 +41,10 @@ if [ -n "$cfg" ]; then
         --json "$out/offline_small.json"
     run offline_small_eager $py -m service.cli bench offline --model "$models/small" \
         --enforce-eager --skip-hf --json "$out/offline_small_eager.json"
+    # shared-prefix attention on and off behind one 2,000-token system prompt (the Triton
+    # backend's cost rule is still the CPU's until this is read)
+    run cascade_small $py -m service.cli bench cascade --model "$models/small" --skip-kernel \
+        --json "$out/cascade_small.json"
     # the host tier's cost once the device pool evicts: none vs memory, in one process
     run tier_overhead_small $py -m service.cli bench prefix --model "$models/small" \
         --parts overhead --overhead-requests 64 --overhead-rounds 9 \

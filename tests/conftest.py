@@ -198,6 +198,27 @@ def background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
         s.stop()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_for_servers_started_beside_the_soak(background_soak):
+    """The same for what a module starts once (its servers, engines): a module that
+    begins while the soak runs starts them with one thread (autouse module fixtures come
+    before the module's other fixtures). Without it, a module's server started beside
+    the soak kept two threads: the Python SDK's shared-socket test took 27.5 s in the
+    suite against 1.8 s alone."""
+    if background_soak is None or not background_soak.running():
+        yield
+        return
+    env = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
+
+
 @pytest.fixture(autouse=True)
 def one_thread_beside_the_soak(background_soak):
     """While the background soak runs, a test's torch work takes one thread, in this
