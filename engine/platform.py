@@ -46,6 +46,14 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+def _omp_threads(env: Mapping[str, str]) -> int | None:
+    """OMP_NUM_THREADS's first level as a number, applied to the engine thread explicitly:
+    OpenMP reads the variable once, when it loads, so a value set later in the process
+    (an embedding application, the test suite) would otherwise not reach a new thread.
+    None where it is not a number (OpenMP's own reading stands)."""
+    first = env["OMP_NUM_THREADS"].split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else None
+
 class OpsKind(enum.Enum):
     """Which implementation runs a layer's elementwise ops (engine/layer_ops.py)."""
 
@@ -133,7 +141,7 @@ class Platform:
     attention_backend: str  # a name in ATTENTION_BACKENDS
     device: str  # "cpu" or "cuda": where the backend keeps tensors
     dtype_name: str  # a name in DTYPES ("auto" resolved)
-    threads: int | None  # torch threads of the engine thread; None: OMP_NUM_THREADS as set
+    threads: int | None  # torch threads of the engine thread; None: OpenMP's own default
     isa: frozenset[str] = field(default=frozenset(), repr=False)  # CPU flags, read once
     enforce_eager: bool = False  # no fast decode path
     # whether the compiled CPU kernels load: builds them on the first call (once per
@@ -155,7 +163,7 @@ class Platform:
         device = ATTENTION_BACKENDS[backend].device
         dtype = auto_dtype(device, isa) if config.dtype == "auto" else config.dtype
         # 0 keeps an OMP_NUM_THREADS the user set, else one thread per physical core
-        threads = config.threads or (None if "OMP_NUM_THREADS" in env else cores())
+        threads = config.threads or (_omp_threads(env) if "OMP_NUM_THREADS" in env else cores())
         return cls(backend, device, dtype, threads, frozenset(isa), config.enforce_eager)
 
     @property

@@ -66,8 +66,14 @@ def test_a_named_dtype_is_kept() -> None:
 def test_threads_one_per_core_unless_set_or_left_to_openmp() -> None:
     cfg = EngineConfig()
     assert Platform.choose(cfg, isa=AVX2, env={}, cores=lambda: 6).threads == 6
-    # an OMP_NUM_THREADS the user set is kept: torch is not told anything
+    # an OMP_NUM_THREADS the user set is kept, and applied to the engine thread (OpenMP
+    # reads it once, at load: a value set later would not reach a new thread); one
+    # OpenMP cannot parse as a count is left to OpenMP
     assert Platform.choose(cfg, isa=AVX2, env={"OMP_NUM_THREADS": "3"},
+                           cores=lambda: 6).threads == 3
+    assert Platform.choose(cfg, isa=AVX2, env={"OMP_NUM_THREADS": "2,1"},
+                           cores=lambda: 6).threads == 2
+    assert Platform.choose(cfg, isa=AVX2, env={"OMP_NUM_THREADS": "x"},
                            cores=lambda: 6).threads is None
     assert Platform.choose(EngineConfig(threads=5), isa=AVX2, env={"OMP_NUM_THREADS": "3"},
                            cores=lambda: 6).threads == 5
