@@ -24,6 +24,22 @@
 
 namespace tw {
 
+// exp(x) for x <= 0 with a degree-4 polynomial for 2^f on [-0.5, 0.5] (fitted to its
+// relative error: under 4e-6): for probabilities that are rounded to bf16 (2^-9) on their way to P V.
+// Arguments at or under -87 give 0 (as vexp).
+inline __m512 exp_for_bf16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.6004024e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5916936e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4023719e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312199e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+
 // out[i][j] = in[j][i] for a 16 x 16 matrix of 32-bit values (in: its 16 rows; out rows
 // `out_stride` apart, in 32-bit units).
 inline void transpose16x16_epi32(const uint32_t* const* in, uint32_t* out, int64_t out_stride) {
@@ -164,8 +180,8 @@ inline void softmax_amx(AttnScratch& w, float scale, int r0, int rows, int64_t G
     __m512 sum = _mm512_setzero_ps();
     for (int c = 0; c < kTileVecs; c += 2) {
       const float* sr = s + r * kKeyTile + c * kLanes;
-      const __m512 p0 = (__m512)vexp((f32x16)_mm512_sub_ps(_mm512_loadu_ps(sr), mn));
-      const __m512 p1 = (__m512)vexp((f32x16)_mm512_sub_ps(_mm512_loadu_ps(sr + kLanes), mn));
+      const __m512 p0 = exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(sr), mn));
+      const __m512 p1 = exp_for_bf16(_mm512_sub_ps(_mm512_loadu_ps(sr + kLanes), mn));
       sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
       _mm512_storeu_si512(dst + c * kLanes, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
