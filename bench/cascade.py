@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,14 +35,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _best_us(fn: Callable[[], Any], repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e6
+    from bench.kernels import best_seconds
+
+    return best_seconds(fn, repeats) * 1e6
 
 
 def kernel_case(n: int, shared: int, own: int = 64, heads: int = 9, kv_heads: int = 3,

@@ -28,16 +28,9 @@ namespace tw {
 // relative error: under 4e-6): for probabilities that are rounded to bf16 (2^-9) on their way to P V.
 // Arguments at or under -87 give 0 (as vexp).
 inline __m512 exp_for_bf16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(9.6004024e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5916936e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4023719e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312199e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-  return _mm512_maskz_scalef_ps(live, p, n);
+  static constexpr float kDegree4[] = {9.6004024e-3f, 5.5916936e-2f, 2.4023719e-1f,
+                                       6.9312199e-1f, 1.0f};
+  return exp_by_poly(x, kDegree4);
 }
 
 // out[i][j] = in[j][i] for a 16 x 16 matrix of 32-bit values (in: its 16 rows; out rows

@@ -183,25 +183,32 @@ inline float hmax(f32x16 v) {
   return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
 }
 
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 as 2^n * p(f): n = round(x log2 e) by one rounding instruction, p a
+// polynomial (coefficients c, highest degree first) for 2^f on f in [-0.5, 0.5], and 2^n
+// applied by vscalefps: half the instructions of integer exponent arithmetic. Arguments
+// at or under -87 give 0 (-inf: f is NaN, masked to 0 with the rest).
+template <size_t N>
+inline __m512 exp_by_poly(__m512 x, const float (&c)[N]) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(c[0]);
+  for (size_t i = 1; i < N; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[i]));
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+  return _mm512_maskz_scalef_ps(live, p, n);
+}
+#endif
+
 // exp(x) for x <= 0 (softmax arguments), relative error ~2e-7: exp(x) = 2^n * 2^f with
 // n = round(x log2 e) and a degree-6 polynomial for 2^f on [-0.5, 0.5]. Arguments under
 // -87 flush to 0 (and -inf gives 0).
 inline f32x16 vexp(f32x16 x) {
 #if defined(__AVX512F__)
-  // n by one rounding instruction and 2^n applied by vscalefps: half the instructions of
-  // the integer exponent arithmetic below (-inf: f is NaN, masked to 0 with the rest)
-  const __m512 t = _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __mmask16 live = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-  return (f32x16)_mm512_maskz_scalef_ps(live, p, n);
+  static constexpr float kDegree6[] = {1.535336188319500e-4f, 1.339887440266574e-3f,
+                                       9.618437357674640e-3f, 5.550332471162809e-2f,
+                                       2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+  return (f32x16)exp_by_poly((__m512)x, kDegree6);
 #else
   const f32x16 lo = splat(-87.0f);
   x = x < lo ? lo : x;
