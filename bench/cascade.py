@@ -1,8 +1,11 @@
 """`tidewire bench cascade`: shared-prefix (cascade) attention on and off, side by side.
 
-1. The kernel (CPU backend): decodes of `n` sequences that share `P` prefix keys and hold
-   64 of their own, timed with and without the cascade (the table the CPU backend's
-   cost rule, engine/attention/cpu.py, was read from).
+1. The kernel: decodes of `n` sequences that share `P` prefix keys and hold 64 of their
+   own, timed with and without the cascade. On the CPU backend: the table its cost
+   rule (engine/attention/cpu.py) was read from. On a CUDA GPU: kernels/
+   cascade_attention.py with its prefix pass in one key partition and in as many as it
+   picks, against what the backend runs without it (split-K decode from 2,048 keys, the
+   paged kernel below).
 2. The engine: chat-64 lengths behind one shared system prompt of --prefix-tokens tokens
    (cached once first, so every request holds the same prefix blocks), output tok/s with
    the cascade and without it, alternating, --rounds each.
@@ -66,6 +69,49 @@ def kernel_case(n: int, shared: int, own: int = 64, heads: int = 9, kv_heads: in
             "speedup": plain / cascade}
 
 
+def cuda_kernel_case(n: int, shared: int, heads: int, kv_heads: int, own: int = 64,
+                     d: int = 64, bs: int = 16, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The same decodes on the GPU: plain (the backend's choice without a cascade),
+    cascade with the prefix in one partition, and with the partitions it picks."""
+    from bench.kernels import _time
+    from engine.attention.triton import SPLIT_K_MIN_CONTEXT, SPLIT_K_PARTITION_BLOCKS
+    from kernels.cascade_attention import CascadePrefix, cascade_attention
+    from kernels.paged_attention import paged_attention
+    from kernels.paged_decode_splitk import paged_decode_splitk
+
+    dev = "cuda"
+    pb, ob = shared // bs, -(-own // bs)
+    kc = torch.randn(pb + n * ob, bs, kv_heads, d, dtype=dtype, device=dev)
+    vc = torch.randn_like(kc)
+    table = torch.tensor([list(range(pb)) + list(range(pb + i * ob, pb + (i + 1) * ob))
+                          for i in range(n)], dtype=torch.int32, device=dev)
+    ctx = shared + own
+    lens = torch.full((n,), ctx, dtype=torch.int32, device=dev)
+    starts = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(n, heads, d, dtype=dtype, device=dev)
+    scale = d**-0.5
+    # planned once per step in the engine (build_metadata), so outside the timed calls
+    plans = {p: CascadePrefix.build(table[0, :pb], shared, bs, n, heads, kv_heads, dev, parts=p)
+             for p in (1, None)}
+
+    def plain() -> Any:
+        if ctx >= SPLIT_K_MIN_CONTEXT:
+            return paged_decode_splitk(q, kc, vc, table, lens, scale, ctx,
+                                       SPLIT_K_PARTITION_BLOCKS)
+        return paged_attention(q, kc, vc, table, lens, starts, scale, 1)
+
+    def cascade(parts: int | None) -> Callable[[], Any]:
+        return lambda: cascade_attention(q, kc, vc, plans[parts], table, lens, starts, scale,
+                                         1, validate=False)
+    torch.testing.assert_close(cascade(None)().float(), plain().float(), atol=2e-2, rtol=2e-2)
+    parts = plans[None].parts
+    t = {k: _time(f, 50) * 1e6 for k, f in
+         (("plain", plain), ("one_part", cascade(1)), ("parts", cascade(None)))}
+    return {"members": n, "shared_keys": shared, "heads": heads, "kv_heads": kv_heads,
+            "plain_us": t["plain"], "one_part_us": t["one_part"], "cascade_us": t["parts"],
+            "parts": parts, "speedup": t["plain"] / t["parts"]}
+
+
 def engine_case(a: argparse.Namespace) -> dict:
     from bench.offline import run_tidewire
     from bench.workloads import BenchRequest, chat64
@@ -83,9 +129,9 @@ def engine_case(a: argparse.Namespace) -> dict:
                             output_range=(16, 256))]
     runs: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(a.rounds):
-        for on in (True, False):
-            attn.cascade = on
-            runs[on].append(run_tidewire(llm, work)["output_tok_s"])
+        for setting in (True, False):
+            attn.cascade = setting
+            runs[setting].append(run_tidewire(llm, work)["output_tok_s"])
     attn.cascade = True
     on, off = statistics.median(runs[True]), statistics.median(runs[False])
     return {"model": a.model, "prefix_tokens": a.prefix_tokens, "requests": a.num_requests,
@@ -94,10 +140,22 @@ def engine_case(a: argparse.Namespace) -> dict:
 
 
 def main(a: argparse.Namespace) -> int:
-    from kernels import cpu_ops
+    result: dict[str, Any] = {"threads": torch.get_num_threads()}
+    if not a.skip_kernel and torch.cuda.is_available():
+        rows = [cuda_kernel_case(n, p, h, kvh) for h, kvh in ((9, 3), (32, 8))
+                for n in (8, 16, 64, 256) for p in (256, 2048, 8192)]
+        result["cuda_kernel"] = rows
+        print(f"kernel ({torch.cuda.get_device_name()}): decodes sharing a prefix, d64 bf16, "
+              "64 own keys each")
+        for r in rows:
+            print(f"  {r['heads']:2d}/{r['kv_heads']} heads, {r['members']:3d} sequences, "
+                  f"{r['shared_keys']:5d} shared keys: plain {r['plain_us']:7.1f} us, "
+                  f"cascade in 1 part {r['one_part_us']:7.1f} us, in {r['parts']:2d} parts "
+                  f"{r['cascade_us']:7.1f} us, {r['speedup']:.2f}x")
+    elif not a.skip_kernel:
+        from kernels import cpu_ops
 
-    result: dict[str, Any] = {"amx": cpu_ops.amx(), "threads": torch.get_num_threads()}
-    if not a.skip_kernel:
+        result["amx"] = cpu_ops.amx()
         if not cpu_ops.available():
             print("the compiled CPU kernels are unavailable here: no kernel table")
         else:

@@ -43,7 +43,7 @@ if [ -n "$cfg" ]; then
         --enforce-eager --skip-hf --json "$out/offline_small_eager.json"
     # shared-prefix attention on and off behind one 2,000-token system prompt (the Triton
     # backend's cost rule is still the CPU's until this is read)
-    run cascade_small $py -m service.cli bench cascade --model "$models/small" --skip-kernel \
+    run cascade_small $py -m service.cli bench cascade --model "$models/small" --rounds 3 \
         --json "$out/cascade_small.json"
     # the host tier's cost once the device pool evicts: none vs memory, in one process
     run tier_overhead_small $py -m service.cli bench prefix --model "$models/small" \

@@ -154,13 +154,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                     out: torch.Tensor | None = None, return_lse: bool = False,
-                    kv_start: int = 0, kv_end: int = 2**31 - 1, window: int = 0
+                    kv_start: int = 0, kv_end: int = 2**31 - 1, window: int = 0,
+                    lse_out: torch.Tensor | None = None
                     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a ragged batch over the paged cache (layouts in the module doc).
     Returns out, or (out, lse) with return_lse. A query that sees no key (only possible
     with kv_start / kv_end) gets zeros and lse = -inf. window > 0: sliding-window
     attention (the module doc), tiles before a program's first window never loaded;
-    0: full causal attention (a separate compilation, so it pays nothing for windows)."""
+    0: full causal attention (a separate compilation, so it pays nothing for windows).
+    lse_out: where the log-sum-exp goes with return_lse ([num_tokens, num_heads] fp32,
+    rows contiguous; allocated if None)."""
     if window < 0:
         raise ValueError(f"window must be 0 (full attention) or positive, not {window}")
     num_tokens, num_heads, head_dim = q.shape
@@ -176,8 +179,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
         raise ValueError("one block table row and seq_len per sequence, num_seqs + 1 starts")
     out = torch.empty_like(q) if out is None else out
-    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device) \
-        if return_lse else out  # (a dummy pointer when unused)
+    lse = out  # (a dummy pointer when unused)
+    if return_lse:
+        lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device) \
+            if lse_out is None else lse_out
     group = num_heads // num_kv_heads
     group_pad = next_pow2(group)
     rows = 16 if max_query_len <= 1 else 64  # tl.dot needs >= 16; prefill fills 64

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
-from kernels.cascade_attention import cascade_attention
+from kernels.cascade_attention import CascadePrefix, cascade_attention, split_prefix
 from kernels.fused_norm_rope_act import rms_norm, rope, silu_and_mul
 from kernels.merge_attn_states import merge_attn_states
 from kernels.paged_attention import paged_attention
@@ -200,16 +200,40 @@ def test_split_k_decode_matches_reference(partition_blocks: int, dtype: torch.dt
     close(out, ref.paged_attention(q, kc, vc, table, lens, starts, 0.125)[0], dtype)
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])  # 3: an uneven split, a block left over
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_equals_plain_attention(dtype: torch.dtype) -> None:
-    """Three requests share a 32-token (2-block) cached prefix, then diverge."""
-    q_lens, seq_lens = [1, 6, 1], [40, 45, 33]
+def test_cascade_equals_plain_attention(dtype: torch.dtype, parts: int) -> None:
+    """Three requests share a 64-token (4-block) cached prefix, then diverge; the prefix
+    pass split into `parts` key partitions."""
+    q_lens, seq_lens = [1, 6, 1], [72, 77, 65]
     q, kc, vc, table, lens, starts = make_batch(q_lens, seq_lens, 4, 2, 64, 16, dtype, seed=3)
-    table[:, :2] = table[0, :2]  # the shared prefix: the same physical blocks
+    table[:, :4] = table[0, :4]  # the shared prefix: the same physical blocks
     plain = paged_attention(q, kc, vc, table, lens, starts, 0.125, max(q_lens))
-    out = cascade_attention(q, kc, vc, table[0, :2], 32, table, lens, starts, 0.125, max(q_lens))
+    prefix = CascadePrefix.build(table[0, :4], 64, 16, q.shape[0], 4, 2, DEV, parts=parts)
+    assert (prefix.parts, prefix.keys) == {1: (1, 64), 2: (2, 64), 3: (2, 64)}[parts]
+    out = cascade_attention(q, kc, vc, prefix, table, lens, starts, 0.125, max(q_lens))
     close(out, plain, dtype)
     close(out, ref.paged_attention(q, kc, vc, table, lens, starts, 0.125)[0], dtype)
+    # 3 of 4 blocks in the prefix pass: the fourth is read with each suffix
+    odd = CascadePrefix.build(table[0, :3], 48, 16, q.shape[0], 4, 2, DEV, parts=3)
+    close(cascade_attention(q, kc, vc, odd, table, lens, starts, 0.125, max(q_lens)), plain,
+          dtype)
+    too_long = CascadePrefix.build(table[0, :5], 80, 16, q.shape[0], 4, 2, DEV)
+    with pytest.raises(ValueError, match="cover"):
+        cascade_attention(q, kc, vc, too_long, table, lens, starts, 0.125, 6)
+    with pytest.raises(ValueError, match="whole blocks"):
+        CascadePrefix.build(table[0, :4], 60, 16, q.shape[0], 4, 2, DEV)
+
+
+def test_split_prefix_takes_equal_partitions() -> None:
+    assert split_prefix(124, 16) == (11, 11)  # 121 blocks in 11 parts, 3 left over
+    assert split_prefix(128, 16) == (16, 8)
+    assert split_prefix(7, 16) == (7, 1)  # never more partitions than blocks
+    assert split_prefix(13, 1) == (1, 13)
+    for blocks in range(1, 200):
+        for want in (1, 5, 32):
+            parts, per = split_prefix(blocks, want)
+            assert 1 <= parts <= max(1, min(want, blocks)) and 0 <= blocks - parts * per < parts
 
 
 def test_merge_attn_states_with_an_empty_part() -> None:
@@ -296,18 +320,18 @@ def test_gemma_norms_scale_in_fp32_before_the_cast_as_hf() -> None:
 def test_triton_backend_runs_a_shared_prefix_once_and_stays_exact(tiny_models,
                                                                    monkeypatch) -> None:
     """Steps whose sequences all share prefix blocks go through cascade_attention (the
-    cost rule's thresholds lowered to this small step): greedy output equals HF."""
+    cost rule's thresholds lowered to this small step): greedy output equals HF. On a GPU
+    eagerly, so that the decodes take it too (a captured decode graph never does)."""
     from engine import LLM, SamplingParams
     from engine.attention.triton import TritonAttention
     from tests.conftest import hf_greedy, random_prompts
 
-    if DEV == "cuda":
-        pytest.skip("a GPU is present: the interpreter backend is for machines without one")
     monkeypatch.setattr(TritonAttention, "CASCADE_MIN_SEQS", 2)
-    monkeypatch.setattr(TritonAttention, "CASCADE_MIN_SAVED_KEYS", 0)
+    monkeypatch.setattr(TritonAttention, "CASCADE_MIN_SAVED_BYTES", 0)
     path = tiny_models("llama", 0, head_dim=16)
-    llm = LLM(model=str(path), dtype="float32", block_size=16, attention_backend="triton-interpret",
-              kv_tier="none")
+    llm = LLM(model=str(path), dtype="float32", block_size=16, kv_tier="none",
+              attention_backend="cuda" if DEV == "cuda" else "triton-interpret",
+              enforce_eager=True)
     attn = llm.engine.runner.attn
     used = []
     real = attn._cascade
@@ -318,6 +342,27 @@ def test_triton_backend_runs_a_shared_prefix_once_and_stays_exact(tiny_models,
     prompts = [system + t for t in random_prompts(3, 1, 6, 320, seed=22)]
     assert [o.token_ids for o in llm.generate(prompts, sp)] == hf_greedy(path, prompts, 3)
     assert used  # (the decode steps: every sequence behind the 32 shared keys)
+
+
+def test_triton_cascade_rule_takes_only_steps_that_save_a_gigabyte() -> None:
+    """The GPU cost rule (measured on an H200): a step goes through the cascade only when
+    all its sequences share the prefix and the K/V reads it saves reach 1 GiB."""
+    from engine.attention.triton import TritonAttention, TritonInterpretAttention
+
+    backend = TritonAttention if DEV == "cuda" else TritonInterpretAttention
+
+    def rows(n: int, shared: int, own: int = 64) -> list[tuple[int, int, list[int]]]:
+        pb, ob = shared // 16, own // 16
+        return [(1, shared + own, list(range(pb)) + list(range(pb + i * ob, pb + (i + 1) * ob)))
+                for i in range(n)]
+
+    small = backend(9, 3, 64, 16, torch.bfloat16)
+    big = backend(32, 8, 64, 16, torch.bfloat16)
+    assert small._prefix(rows(64, 1984)) is None  # chat-64 behind 2k tokens: 96 MB
+    assert big._prefix(rows(256, 2048)) is None  # 0.53 GB
+    plan = big._prefix(rows(256, 8192))  # 2.1 GB
+    assert plan is not None and plan.keys == 8192
+    assert big._prefix(rows(256, 8192)[:255] + [(1, 80, [9999] * 5)]) is None  # one apart
 
 
 def test_engine_with_triton_interpret_backend_matches_cpu_backend(tiny_models) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.base import AttentionBackend, StepLayout, cascade_groups
+from kernels.cascade_attention import CascadePrefix
 
 # A decode-only step whose longest context reaches this many tokens splits each
 # sequence's keys into partitions (flash-decoding): few long sequences would otherwise
@@ -32,9 +33,9 @@ class TritonMetadata:
     max_query_len: int
     max_seq_len: int
     decode_only: bool
-    # a prefix every sequence of the step shares (its block ids, its keys), run by
-    # kernels/cascade_attention.py; None: none, or not worth it
-    prefix: tuple[torch.Tensor, int] | None = None
+    # a prefix every sequence of the step shares, planned for kernels/cascade_attention.py
+    # once per step; None: none, or not worth it
+    prefix: CascadePrefix | None = None
 
 
 class TritonAttention(AttentionBackend):
@@ -58,13 +59,19 @@ class TritonAttention(AttentionBackend):
         self.cascade = os.environ.get("TIDEWIRE_CASCADE", "1") not in ("0", "false", "")
 
     # The kernel takes one prefix for the whole step (kernels/cascade_attention.py), so a
-    # step qualifies when all its sequences share one. Unmeasured on a GPU so far (no GPU
-    # was lent when this was written): the rule is the CPU kernel's (engine/attention/
-    # cpu.py), which a `tidewire bench cascade` run on a GPU should replace.
+    # step qualifies when all its sequences share one, and when the K/V bytes it saves
+    # reading ((members - 1) x prefix keys, every KV head, K and V) reach
+    # CASCADE_MIN_SAVED_BYTES. Measured with `tidewire bench cascade` on an H200 (decodes,
+    # d64 bf16, the engine's eager path: a step that takes a captured decode graph never
+    # runs it): the cascade's extra launches (prefix pass, suffix pass, merge) cost
+    # ~150-300 us of host time a layer, more than the split-K kernel spends reading
+    # hundreds of MB. It won at 256 sequences x 8,192 shared keys of a 32/8-head model
+    # (2.1 GB saved: 2.0-2.25x), lost at 0.5-0.8 GB saved (0.70-0.88x) and at chat-64
+    # behind a 2,000-token prompt (96 MB: 0.87x in the engine).
     CASCADE_MIN_SEQS = 8
-    CASCADE_MIN_SAVED_KEYS = 1024
+    CASCADE_MIN_SAVED_BYTES = 1 << 30
 
-    def _prefix(self, rows: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, int] | None:
+    def _prefix(self, rows: list[tuple[int, int, list[int]]]) -> CascadePrefix | None:
         if not self.cascade or len(rows) < 2:
             return None
         groups = cascade_groups([ids for _, _, ids in rows], [n for _, n, _ in rows],
@@ -72,11 +79,13 @@ class TritonAttention(AttentionBackend):
         if len(groups) != 1 or len(groups[0][0]) != len(rows):
             return None
         members, keys = groups[0]
-        if len(members) < self.CASCADE_MIN_SEQS or \
-                (len(members) - 1) * keys < self.CASCADE_MIN_SAVED_KEYS:
+        elem = 1 if self.kv_cache_dtype == "int8" else self.dtype.itemsize
+        saved = (len(members) - 1) * keys * self.num_kv_heads * self.head_dim * 2 * elem
+        if len(members) < self.CASCADE_MIN_SEQS or saved < self.CASCADE_MIN_SAVED_BYTES:
             return None
-        ids = rows[members[0]][2][: keys // self.block_size]
-        return torch.tensor(ids, dtype=torch.int32, device=self.device), keys
+        return CascadePrefix.build(rows[members[0]][2][: keys // self.block_size], keys,
+                                   self.block_size, sum(q for q, _, _ in rows),
+                                   self.num_heads, self.num_kv_heads, self.device)
 
     def _check_device(self) -> None:
         if not torch.cuda.is_available():
@@ -113,10 +122,9 @@ class TritonAttention(AttentionBackend):
                 v_cache: torch.Tensor, meta: object, window: int = 0) -> torch.Tensor:
         assert isinstance(meta, TritonMetadata)
         if meta.prefix is not None and window == 0:
-            ids, keys = meta.prefix
-            return self._cascade(q, k_cache, v_cache, ids, keys, meta.block_tables,
+            return self._cascade(q, k_cache, v_cache, meta.prefix, meta.block_tables,
                                  meta.seq_lens, meta.query_start_loc, self.scale,
-                                 meta.max_query_len)
+                                 meta.max_query_len, validate=False)
         # the keys a decode reads: its context, or at most its window
         seen = min(meta.max_seq_len, window) if window > 0 else meta.max_seq_len
         if meta.decode_only and seen >= SPLIT_K_MIN_CONTEXT:

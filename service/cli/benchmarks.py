@@ -20,7 +20,7 @@ BENCHES = {  # subcommand -> one-line help
               "memory tier; no-hit overhead of the tier",
     "kernels": "Triton kernels vs torch references and the roofline (CUDA; exits 0 without "
                "a GPU); --cpu: the CPU attention kernel vs torch SDPA on prefill shapes",
-    "cascade": "shared-prefix (cascade) attention on and off: the CPU kernel's table and "
+    "cascade": "shared-prefix (cascade) attention on and off: the kernel's table (CPU or GPU) and "
                "chat-64 behind one shared 2,000-token system prompt",
     "http": "chat-64 against any OpenAI-compatible server (Tidewire, llama.cpp, vLLM): TTFT, "
             "inter-chunk gaps, output tok/s",
