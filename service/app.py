@@ -25,7 +25,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.websockets import WebSocketClose
 
 from engine import AsyncEngine
-from service import openai_api, openapi, vllm_api
+from service import anthropic_api, openai_api, openapi, responses_api, vllm_api
 from service.config import ServiceConfig
 from service.gateway import Gateway
 from service.metrics import Metrics
@@ -268,6 +268,11 @@ def create_app(config: ServiceConfig) -> RawSend:
         Route("/v1/chat/completions", openai_api.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_api.completions, methods=["POST"]),
         Route("/v1/warm", openai_api.warm, methods=["POST"]),
+        Route("/v1/messages", anthropic_api.messages, methods=["POST"]),
+        Route("/v1/responses", responses_api.create, methods=["POST"]),
+        Route("/v1/responses/{id}", responses_api.retrieve, methods=["GET"]),
+        Route("/v1/responses/{id}", responses_api.delete, methods=["DELETE"]),
+        Route("/v1/responses/{id}/cancel", responses_api.cancel, methods=["POST"]),
         WebSocketRoute("/v1/ws", websocket_endpoint),
         *([Mount("/sdk", ReadOnlyFiles(JS_SDK), name="sdk")]  # type: ignore[arg-type]  # ASGI app
           if JS_SDK.is_dir() else []),

@@ -1,0 +1,566 @@
+"""OpenAI's Responses API over HTTP: `POST /v1/responses` (whole, or streamed as the
+Responses events, each with its `sequence_number`), `GET /v1/responses/{id}` (the
+object; with `stream=true&starting_after=N`, its events after N replayed and then
+followed live), `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`.
+
+A request becomes a chat turn (service/chat_turn.py):
+- `input`: a string (one user message) or items: messages (`role` user, assistant,
+  system or developer; content a string or `input_text` / `output_text` parts),
+  `function_call` items (an assistant's calls) and `function_call_output` items (their
+  results); `reasoning` items are dropped, images and files are refused.
+- `instructions`: a system message before everything (not carried on by a later
+  `previous_response_id`, as OpenAI does).
+- `tools` (function tools: name, description, parameters), `tool_choice` (auto, none,
+  required, {type: function, name}), `parallel_tool_calls`: the chat endpoint's tools.
+- `text.format`: `json_schema` (name, schema) or `json_object` constrain the answer
+  (engine/structured.py); `text` is free text.
+- `max_output_tokens`, `temperature`, `top_p`, and as extra fields the chat endpoint's
+  `seed`, `top_k`, `min_p`, `stop`, penalties; `reasoning.effort` "none" turns a
+  thinking model's thinking off (other efforts are accepted).
+
+Stored responses (`store`, true by default) are kept per tenant (the API key's) in this
+process, RESPONSE_TTL seconds after they end and MAX_STORED at most, the oldest going
+first: `previous_response_id` continues the conversation from one (its input and
+output before the new input), and `background: true` (with `store`) answers at once
+while the response runs on; GET polls it or follows its events, and cancel stops it.
+A response that is not background stops when its streaming client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from service import chat_turn, openai_request
+from service import tools as tool_calls
+from service.chat_turn import CallArguments, CallStart, ReasoningDelta, TextDelta, Turn
+from service.gateway import Gateway
+from service.openai_api import error_json, error_response
+from service.protocol import ProtocolError
+from service.reasoning import ThinkOptions
+
+MAX_STORED = 1000  # stored responses, all tenants together: the oldest ended one goes first
+RESPONSE_TTL = 3600.0  # seconds a stored response is kept once it has ended
+MAX_METADATA = 16
+
+# sampling fields passed on to the chat endpoint's reader as they are
+SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "stop", "presence_penalty",
+            "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")
+# accepted and left alone (or echoed)
+IGNORED = ("user", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+           "service_tier", "include", "stream_options", "max_tool_calls", "truncation",
+           "top_logprobs", "context_management", "prompt_cache_options")
+FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice",
+                    "parallel_tool_calls", "text", "max_output_tokens", "reasoning", "store",
+                    "background", "previous_response_id", "stream", "metadata",
+                    *SAMPLING, *IGNORED})
+
+
+def _bad(message: str) -> ProtocolError:
+    return ProtocolError("invalid_request", message)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# -- the request ------------------------------------------------------------------------------
+
+def _parts_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or a list of content parts")
+    texts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind in ("input_text", "output_text", "text") and isinstance(p.get("text"), str):
+            texts.append(p["text"])
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise _bad(f"{where}[{j}]: {kind} is not supported (the served model reads text)")
+        elif kind == "refusal":
+            continue
+        else:
+            raise _bad(f"{where}[{j}]: unsupported content part {str(kind)[:40]!r}")
+    return "".join(texts)
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """`input` as chat messages (function_call items -> an assistant's tool_calls,
+    function_call_output -> tool messages)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _bad("input must be a string or a non-empty list of items")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and isinstance(item, dict):
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise _bad(f"{where}.role must be user, assistant, system or developer")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": _parts_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            name, args = item.get("name"), item.get("arguments", "{}")
+            if not isinstance(name, str) or not isinstance(args, str):
+                raise _bad(f"{where}: a function_call needs a name and arguments (a JSON string)")
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": name, "arguments": args}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and (
+                    "tool_calls" in last or not last["content"]):
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                        "content": _parts_text(output, f"{where}.output")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise _bad(f"{where}: unsupported input item {str(kind)[:40]!r}")
+    return out
+
+
+def tools_of(body: dict[str, Any]) -> tool_calls.Tools | None:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and not isinstance(tools, list):
+        raise _bad("tools must be a list")
+    functions = []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or t.get("type") != "function":
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise _bad(f"tools[{i}]: only function tools are supported, not {str(kind)[:40]!r}")
+        functions.append({"type": "function", "function": {
+            k: t[k] for k in ("name", "description", "parameters") if k in t}})
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise _bad('tool_choice must be "auto", "none", "required" or '
+                       '{"type": "function", "name": ...}')
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return tool_calls.parse({"tools": functions or None, "tool_choice": choice,
+                             "parallel_tool_calls": body.get("parallel_tool_calls", True)})
+
+
+def format_of(text: Any) -> dict[str, Any] | None:
+    """text.format as the chat endpoint's response_format."""
+    if text is None:
+        return None
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise _bad("text takes format and verbosity")
+    fmt = text.get("format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
+        return {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name", "output"), "schema": fmt["schema"],
+            **({"strict": fmt["strict"]} if "strict" in fmt else {})}}
+    raise _bad('text.format must be {"type": "text"}, {"type": "json_object"} or '
+               '{"type": "json_schema", "name": ..., "schema": {...}}')
+
+
+def think_of(body: dict[str, Any]) -> ThinkOptions:
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return ThinkOptions()
+    if not isinstance(reasoning, dict):
+        raise _bad("reasoning must be an object")
+    return ThinkOptions({"enable_thinking": False}) if reasoning.get("effort") == "none" \
+        else ThinkOptions()
+
+
+def check_request(body: dict[str, Any]) -> None:
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise _bad(f"unknown parameter(s): {', '.join(unknown)}")
+    for name in ("stream", "store", "background", "parallel_tool_calls"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise _bad(f"{name} must be a boolean")
+    for name in ("instructions", "previous_response_id"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(f"{name} must be a string")
+    meta = body.get("metadata")
+    if meta is not None and (not isinstance(meta, dict) or len(meta) > MAX_METADATA or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in meta.items())):
+        raise _bad(f"metadata must be at most {MAX_METADATA} string pairs (keys up to 64 "
+                   "characters, values up to 512)")
+    if body.get("background") and body.get("store") is False:
+        raise _bad("background responses must be stored (store: true)")
+    if body.get("top_logprobs"):
+        raise _bad("top_logprobs is not supported on /v1/responses")
+
+
+# -- a response as it runs --------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Run:
+    """One response: its object (kept current), its events as sent (the index is the
+    sequence number), and the conversation a later previous_response_id continues."""
+
+    response: dict[str, Any]
+    tenant: str
+    history: list[dict[str, Any]]  # input messages (instructions left out)
+    events: list[str] = field(default_factory=list)
+    conversation: list[dict[str, Any]] = field(default_factory=list)  # history + the output
+    ended_at: float | None = None
+    stream: chat_turn.TurnStream | None = None
+    task: asyncio.Task | None = None
+    cancelled: bool = False
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def id(self) -> str:
+        return self.response["id"]
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
+
+    def emit(self, kind: str, data: dict[str, Any]) -> None:
+        event = {"type": kind, "sequence_number": len(self.events), **data}
+        self.events.append(f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n")
+        self._wake.set()
+
+    async def follow(self, after: int) -> AsyncIterator[str]:
+        """The events after sequence number `after`, then each new one, to the end."""
+        at = after + 1
+        while True:
+            while at < len(self.events):
+                at += 1
+                yield self.events[at - 1]
+            if self.ended:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+    def cancel(self) -> None:
+        if not self.ended and self.stream is not None:
+            self.cancelled = True
+            self.stream.close()  # the engine aborts it; the run ends as cancelled
+
+
+class Writer:
+    """A turn's events as Responses output items and events."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.output: list[dict[str, Any]] = run.response["output"]
+        self.item: dict[str, Any] | None = None  # the item open now
+        self.args: dict[int, dict[str, Any]] = {}  # call index -> its function_call item
+
+    def add(self, event: chat_turn.Event) -> None:
+        run = self.run
+        if isinstance(event, ReasoningDelta):
+            item = self._open("reasoning", {"type": "reasoning", "id": _new_id("rs"),
+                                            "summary": [], "content": [], "status": "in_progress"},
+                              {"type": "reasoning_text", "text": ""})
+            item["content"][0]["text"] += event.text
+            run.emit("response.reasoning_text.delta", {**self._at(item), "content_index": 0,
+                                                       "delta": event.text})
+        elif isinstance(event, TextDelta):
+            item = self._open("message", {"type": "message", "id": _new_id("msg"),
+                                          "status": "in_progress", "role": "assistant",
+                                          "content": []},
+                              {"type": "output_text", "text": "", "annotations": [],
+                               "logprobs": []})
+            item["content"][0]["text"] += event.text
+            run.emit("response.output_text.delta", {**self._at(item), "content_index": 0,
+                                                    "delta": event.text, "logprobs": []})
+        elif isinstance(event, CallStart):
+            self.close()
+            item = {"type": "function_call", "id": _new_id("fc"), "call_id": event.id,
+                    "name": event.name, "arguments": "", "status": "in_progress"}
+            self._add(item)
+            self.args[event.index] = item
+        elif isinstance(event, CallArguments):
+            item = self.args[event.index]
+            item["arguments"] += event.text
+            run.emit("response.function_call_arguments.delta", {**self._at(item),
+                                                                "delta": event.text})
+
+    def _at(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _add(self, item: dict[str, Any]) -> None:
+        self.output.append(item)
+        self.item = item
+        self.run.emit("response.output_item.added", {"output_index": len(self.output) - 1,
+                                                     "item": item})
+
+    def _open(self, kind: str, item: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+        if self.item is not None and self.item["type"] == kind:
+            return self.item
+        self.close()
+        self._add(item)
+        item["content"].append(part)
+        self.run.emit("response.content_part.added", {**self._at(item), "content_index": 0,
+                                                      "part": part})
+        return item
+
+    def close(self, status: str = "completed") -> None:
+        """The open item is done: its done events."""
+        item, self.item = self.item, None
+        if item is None:
+            return
+        run, at = self.run, self._at(item)
+        if item["type"] == "function_call":
+            run.emit("response.function_call_arguments.done", {
+                **at, "name": item["name"], "arguments": item["arguments"]})
+        else:
+            part = item["content"][0]
+            kind = ("response.output_text.done" if item["type"] == "message"
+                    else "response.reasoning_text.done")
+            run.emit(kind, {**at, "content_index": 0, "text": part["text"],
+                            **({"logprobs": []} if item["type"] == "message" else {})})
+            run.emit("response.content_part.done", {**at, "content_index": 0, "part": part})
+        item["status"] = status
+        run.emit("response.output_item.done", {"output_index": at["output_index"],
+                                               "item": item})
+
+
+async def produce(gw: Gateway, run: Run) -> None:
+    """Run the turn, writing the response's events and object; end the run."""
+    stream = run.stream
+    assert stream is not None
+    r = run.response
+    run.emit("response.created", {"response": _snapshot(r)})
+    r["status"] = "in_progress"
+    run.emit("response.in_progress", {"response": _snapshot(r)})
+    writer = Writer(run)
+    try:
+        async for event in stream:
+            writer.add(event)
+        o = stream.outcome
+        if run.cancelled:
+            writer.close("incomplete")
+            r["status"] = "cancelled"
+        elif o.failure is not None:
+            gw.metrics.errors.labels(o.failure.code).inc()
+            writer.close("incomplete")
+            r["status"], r["error"] = "failed", {"code": o.failure.code,
+                                                 "message": o.failure.message}
+        elif o.finish == "length":
+            writer.close("incomplete")
+            r["status"], r["incomplete_details"] = "incomplete", {"reason": "max_output_tokens"}
+        else:
+            writer.close()
+            r["status"] = "completed"
+        r["usage"] = {"input_tokens": o.prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": o.cached_tokens},
+                      "output_tokens": o.output_tokens,
+                      "output_tokens_details": {"reasoning_tokens": stream.reasoning_tokens},
+                      "total_tokens": o.prompt_tokens + o.output_tokens}
+    except Exception as e:  # noqa: BLE001 - a fault of ours fails the response, not the server
+        writer.close("incomplete")
+        r["status"], r["error"] = "failed", {"code": "internal_error", "message": str(e)[:200]}
+    finally:
+        stream.close()
+        r["completed_at"] = int(time.time()) if r["status"] == "completed" else None
+        run.conversation = run.history + output_messages(r["output"])
+        kind = {"completed": "response.completed", "failed": "response.failed"}.get(
+            r["status"], "response.incomplete")
+        run.ended_at = time.monotonic()
+        run.emit(kind, {"response": _snapshot(r)})
+
+
+def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A response's output items as chat messages (its text; its calls as tool_calls)."""
+    text = "".join(p["text"] for item in output if item["type"] == "message"
+                   for p in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    msg: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        msg["tool_calls"] = calls
+    return [msg] if text or calls else []
+
+
+def _snapshot(response: dict[str, Any]) -> dict[str, Any]:
+    return json.loads(json.dumps(response))  # (an event carries the object as it was then)
+
+
+class ResponseStore:
+    """Stored responses of this process, by id, each with its tenant."""
+
+    def __init__(self, max_stored: int = MAX_STORED, ttl: float = RESPONSE_TTL) -> None:
+        self.max_stored, self.ttl = max_stored, ttl
+        self._runs: OrderedDict[str, Run] = OrderedDict()
+
+    def add(self, run: Run) -> None:
+        self._expire()
+        self._runs[run.id] = run
+        while len(self._runs) > self.max_stored:
+            oldest = next((r for r in self._runs.values() if r.ended), None)
+            if oldest is None:
+                break  # every stored one is still running: they end on their own
+            del self._runs[oldest.id]
+
+    def get(self, response_id: str, tenant: str) -> Run:
+        self._expire()
+        run = self._runs.get(response_id)
+        if run is None or run.tenant != tenant:
+            raise ProtocolError("model_not_found", f"no response {response_id!r} is stored "
+                                "here") from None
+        return run
+
+    def remove(self, response_id: str, tenant: str) -> Run:
+        run = self.get(response_id, tenant)
+        del self._runs[response_id]
+        return run
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, r in self._runs.items()
+                    if r.ended_at is not None and now - r.ended_at > self.ttl]:
+            del self._runs[rid]
+
+
+def store_of(request: Request) -> ResponseStore:
+    state = request.app.state
+    if getattr(state, "responses", None) is None:
+        state.responses = ResponseStore()
+    return state.responses  # type: ignore[no-any-return]
+
+
+def _not_found(e: ProtocolError) -> JSONResponse:
+    return error_json(404, "not_found", e.message)
+
+
+# -- the endpoints ----------------------------------------------------------------------------
+
+async def create(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    store = store_of(request)
+    try:
+        principal = gw.authenticate(request.headers.get("authorization"))
+        body = await openai_request.read_body(request)
+        check_request(body)
+        openai_request.check_served(gw, body)
+        history: list[dict[str, Any]] = []
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            try:
+                prev = store.get(previous, principal.tenant)
+            except ProtocolError:
+                raise _bad(f"previous_response_id {previous!r} is not a stored response") from None
+            if not prev.ended:
+                raise _bad(f"the previous response {previous!r} is still in progress")
+            history = list(prev.conversation)
+        history += input_messages(body.get("input"))
+        instructions = body.get("instructions")
+        messages = ([{"role": "system", "content": instructions}] if instructions else []) \
+            + history
+        sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+        sampling["max_tokens"] = body.get("max_output_tokens")
+        sampling["response_format"] = format_of(body.get("text"))
+        params = openai_request.sampling_params(sampling, True, gw.sampling_defaults)
+        turn = Turn(tool_calls.check_messages(messages), params, tools_of(body), think_of(body))
+        stream = await chat_turn.admit(gw, principal, turn)
+    except ProtocolError as e:
+        gw.metrics.errors.labels(e.code).inc()
+        return error_response(e)
+    stored, background = body.get("store", True), bool(body.get("background"))
+    run = Run(_response(gw, body, stored, background), principal.tenant, history, stream=stream)
+    if stored:
+        store.add(run)
+    run.task = asyncio.get_running_loop().create_task(produce(gw, run))
+    if body.get("stream"):
+        return _event_stream(run, -1, stop_on_close=not background)
+    if background:
+        return JSONResponse(_snapshot(run.response))
+    try:
+        await asyncio.shield(run.task)
+    except asyncio.CancelledError:
+        run.cancel()
+        raise
+    return JSONResponse(run.response)
+
+
+def _response(gw: Gateway, body: dict[str, Any], stored: bool, background: bool
+              ) -> dict[str, Any]:
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    return {"id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
+            "status": "queued" if background else "in_progress", "background": background,
+            "error": None, "incomplete_details": None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"), "model": gw.config.model_name,
+            "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+            "store": stored, "temperature": body.get("temperature"),
+            "text": {"format": fmt}, "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [], "top_p": body.get("top_p"),
+            "truncation": body.get("truncation", "disabled"), "usage": None,
+            "user": body.get("user"), "metadata": body.get("metadata") or {}}
+
+
+def _event_stream(run: Run, after: int, stop_on_close: bool) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            async for event in run.follow(after):
+                yield event
+        finally:
+            if stop_on_close:
+                run.cancel()  # (a no-op once it has ended)
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def retrieve(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        principal = gw.authenticate(request.headers.get("authorization"))
+        run = store_of(request).get(request.path_params["id"], principal.tenant)
+    except ProtocolError as e:
+        return error_response(e) if e.code == "unauthorized" else _not_found(e)
+    q = request.query_params
+    if q.get("stream", "false").lower() == "true":
+        after = q.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit():
+            return error_json(400, "invalid_request", "starting_after must be an integer")
+        return _event_stream(run, int(after), stop_on_close=False)
+    return JSONResponse(run.response)
+
+
+async def delete(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        principal = gw.authenticate(request.headers.get("authorization"))
+        run = store_of(request).remove(request.path_params["id"], principal.tenant)
+    except ProtocolError as e:
+        return error_response(e) if e.code == "unauthorized" else _not_found(e)
+    run.cancel()
+    return JSONResponse({"id": run.id, "object": "response", "deleted": True})
+
+
+async def cancel(request: Request) -> Response:
+    """Stop a background response (OpenAI cancels only those); an ended one is
+    returned as it is."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        principal = gw.authenticate(request.headers.get("authorization"))
+        run = store_of(request).get(request.path_params["id"], principal.tenant)
+    except ProtocolError as e:
+        return error_response(e) if e.code == "unauthorized" else _not_found(e)
+    if not run.response["background"]:
+        return error_json(400, "invalid_request", "only background responses can be cancelled")
+    if not run.ended and run.task is not None:
+        run.cancel()
+        await asyncio.shield(run.task)
+    return JSONResponse(run.response)
