@@ -191,6 +191,92 @@ SCHEMAS: dict[str, Any] = {
 }
 
 
+_OPEN = {"type": "object"}  # an object whose fields the handler checks (400 where bad)
+_RESPONSE_SAMPLING = {k: SAMPLING[k] for k in (
+    "temperature", "top_p", "seed", "top_k", "min_p", "stop", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens")}
+# OpenAI Responses (service/responses_api.py) and Anthropic Messages (anthropic_api.py)
+SCHEMAS.update({
+    "ResponseRequest": {
+        "type": "object", "required": ["input"], "additionalProperties": False,
+        "properties": {
+            **_RESPONSE_SAMPLING, "model": {"type": "string"},
+            "input": {"anyOf": [{"type": "string"},
+                                {"type": "array", "minItems": 1, "items": _OPEN}]},
+            "instructions": _nullable({"type": "string"}),
+            "tools": _nullable({"type": "array", "items": _OPEN}),
+            "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                                _OPEN]}),
+            "parallel_tool_calls": _nullable({"type": "boolean"}),
+            "text": _nullable(_OPEN), "max_output_tokens": _integer(1, MAX_TOKENS),
+            "reasoning": _nullable(_OPEN), "store": _nullable({"type": "boolean"}),
+            "background": _nullable({"type": "boolean"}),
+            "previous_response_id": _nullable({"type": "string"}),
+            "stream": _nullable({"type": "boolean"}),
+            "metadata": _nullable({"type": "object", "maxProperties": 16,
+                                   "additionalProperties": {"type": "string",
+                                                            "maxLength": 512}}),
+            # accepted and left alone
+            **{k: {} for k in ("user", "safety_identifier", "prompt_cache_key",
+                               "prompt_cache_retention", "service_tier", "include",
+                               "stream_options", "max_tool_calls", "truncation",
+                               "context_management", "prompt_cache_options")},
+            "top_logprobs": _integer(0, 0)}},
+    "Response": {"type": "object",
+                 "required": ["id", "object", "created_at", "status", "model", "output"],
+                 "properties": {"id": {"type": "string"}, "object": {"const": "response"},
+                                "created_at": {"type": "integer"},
+                                "status": {"enum": ["queued", "in_progress", "completed",
+                                                    "incomplete", "failed", "cancelled"]},
+                                "model": {"type": "string"},
+                                "output": {"type": "array", "items": _OPEN},
+                                "usage": {"type": ["object", "null"]},
+                                "error": {"type": ["object", "null"]}}},
+    "ResponseDeleted": {"type": "object", "required": ["id", "object", "deleted"],
+                        "properties": {"id": {"type": "string"},
+                                       "object": {"const": "response"},
+                                       "deleted": {"const": True}}},
+    "MessagesRequest": {
+        "type": "object", "required": ["model", "max_tokens", "messages"],
+        "additionalProperties": False,
+        "properties": {
+            "model": {"type": "string"}, "max_tokens": {"type": "integer", "minimum": 1,
+                                                        "maximum": MAX_TOKENS},
+            "messages": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES,
+                         "items": {"type": "object", "required": ["role", "content"],
+                                   "properties": {
+                                       "role": {"enum": ["user", "assistant"]},
+                                       "content": {"anyOf": [{"type": "string"},
+                                                             {"type": "array",
+                                                              "items": _OPEN}]}}}},
+            "system": {"anyOf": [{"type": "string"}, {"type": "array", "items": _OPEN}]},
+            "stop_sequences": {"type": "array", "items": _STOP_STRING,
+                               "maxItems": MAX_STOP_STRINGS},
+            "temperature": _number(0, 100), "top_p": _number(0, 1, lo_open=True),
+            "top_k": _integer(0, MAX_TOP_K), "stream": {"type": "boolean"},
+            "tools": {"type": "array", "items": _OPEN}, "tool_choice": _OPEN,
+            "thinking": _OPEN, "output_config": _OPEN,
+            # accepted and left alone
+            **{k: {} for k in ("metadata", "service_tier", "cache_control", "container",
+                               "diagnostics", "inference_geo", "speed", "user_profile_id",
+                               "workspace_id")}}},
+    "AnthropicMessage": {"type": "object", "required": ["id", "type", "role", "content",
+                                                        "model", "stop_reason", "usage"],
+                         "properties": {"id": {"type": "string"}, "type": {"const": "message"},
+                                        "role": {"const": "assistant"},
+                                        "content": {"type": "array", "items": _OPEN},
+                                        "model": {"type": "string"},
+                                        "stop_reason": {"enum": ["end_turn", "max_tokens",
+                                                                 "stop_sequence", "tool_use"]},
+                                        "stop_sequence": {"type": ["string", "null"]},
+                                        "usage": _OPEN}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}},
+})
+
+
 def _json(ref: str) -> dict[str, Any]:
     return {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}
 
@@ -217,6 +303,58 @@ def _completion_op(summary: str, request: str, response: str) -> dict[str, Any]:
             **_errors(400, 401, 404, 413, 429, 500, 503)}}}
 
 
+def _response_ops() -> dict[str, Any]:
+    """/v1/responses and /v1/responses/{id} (and its cancel)."""
+    events = {"text/event-stream": {"schema": {  # each event's data: a typed event
+        "type": "object", "required": ["type", "sequence_number"]}}}
+    path_id = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return {
+        "/v1/responses": {"post": {
+            "summary": "A response (OpenAI Responses API)",
+            "requestBody": {"required": True, "content": _json("ResponseRequest")},
+            "responses": {"200": {"description": "the response (a background one as it "
+                                                 "starts), or its events with stream",
+                                  "content": {**_json("Response"), **events}},
+                          **_errors(400, 401, 404, 413, 429, 500, 503)}}},
+        "/v1/responses/{id}": {
+            "get": {"summary": "A stored response; with stream=true its events after "
+                               "starting_after", "parameters": [
+                *path_id,
+                {"name": "stream", "in": "query", "schema": {"type": "boolean"}},
+                {"name": "starting_after", "in": "query", "schema": {"type": "integer"}}],
+                "responses": {"200": {"description": "the response, or its events",
+                                      "content": {**_json("Response"), **events}},
+                              **_errors(400, 401, 404, 503)}},
+            "delete": {"summary": "Delete a stored response (stopping it if it runs)",
+                       "parameters": path_id,
+                       "responses": {"200": {"description": "deleted",
+                                             "content": _json("ResponseDeleted")},
+                                     **_errors(401, 404, 503)}}},
+        "/v1/responses/{id}/cancel": {"post": {
+            "summary": "Stop a background response", "parameters": path_id,
+            "responses": {"200": {"description": "the response as it ended",
+                                  "content": _json("Response")},
+                          **_errors(400, 401, 404, 503)}}},
+    }
+
+
+def _messages_op() -> dict[str, Any]:
+    anthropic = {"application/json": {"schema": {
+        "$ref": "#/components/schemas/AnthropicError"}}}
+    return {"post": {
+        "summary": "A message (Anthropic Messages API); the key may come as x-api-key",
+        "requestBody": {"required": True, "content": _json("MessagesRequest")},
+        "responses": {
+            "200": {"description": "the message, or Anthropic's events with stream",
+                    "content": {**_json("AnthropicMessage"), "text/event-stream": {
+                        "schema": {"type": "object", "required": ["type"]}}}},
+            **{str(c): {"description": why, "content": anthropic} for c, why in (
+                (400, "invalid request"), (401, "missing or invalid API key"),
+                (404, "model not served"), (413, "body too large"), (429, "over a limit"),
+                (500, "internal error"))},
+            **_errors(503)}}}
+
+
 def document(model: str | None = None) -> dict[str, Any]:
     """The document; `model`, the served model's id, is the one `model` value that the
     request bodies accept (another answers 404 model_not_found)."""
@@ -224,14 +362,16 @@ def document(model: str | None = None) -> dict[str, Any]:
     schemas = SCHEMAS
     if model is not None:
         schemas = {k: v for k, v in SCHEMAS.items()}
-        for name in ("ChatCompletionRequest", "CompletionRequest", "WarmRequest"):
+        for name in ("ChatCompletionRequest", "CompletionRequest", "WarmRequest",
+                     "ResponseRequest", "MessagesRequest"):
             props = {**schemas[name]["properties"], "model": {"enum": [model]}}
             schemas[name] = {**schemas[name], "properties": props}
     return {
         "openapi": "3.1.0",
         "info": {"title": "Tidewire", "version": _version(),
-                 "description": "OpenAI-compatible HTTP API of a Tidewire server "
-                                "(docs/http.md); the WebSocket protocol is docs/protocol.md."},
+                 "description": "OpenAI-compatible HTTP API of a Tidewire server, with "
+                                "OpenAI's Responses and Anthropic's Messages (docs/http.md); "
+                                "the WebSocket protocol is docs/protocol.md."},
         "components": {
             "schemas": schemas,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
@@ -262,6 +402,8 @@ def document(model: str | None = None) -> dict[str, Any]:
                 "responses": {"200": {"description": "what was cached",
                                       "content": _json("Warmed")},
                               **_errors(400, 401, 404, 413, 429, 500, 503)}}},
+            **_response_ops(),
+            "/v1/messages": _messages_op(),
             "/health": {"get": {"summary": "Liveness (docs/http.md)", "security": [{}],
                                 "responses": {"200": ok, "503": ok}}},
             "/ready": {"get": {"summary": "Readiness (docs/http.md)", "security": [{}],

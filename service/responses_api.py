@@ -533,7 +533,7 @@ async def retrieve(request: Request) -> Response:
     if q.get("stream", "false").lower() == "true":
         after = q.get("starting_after", "-1")
         if not after.lstrip("-").isdigit():
-            return error_json(400, "invalid_request", "starting_after must be an integer")
+            return error_response(_bad("starting_after must be an integer"))
         return _event_stream(run, int(after), stop_on_close=False)
     return JSONResponse(run.response)
 
@@ -559,7 +559,7 @@ async def cancel(request: Request) -> Response:
     except ProtocolError as e:
         return error_response(e) if e.code == "unauthorized" else _not_found(e)
     if not run.response["background"]:
-        return error_json(400, "invalid_request", "only background responses can be cancelled")
+        return error_response(_bad("only background responses can be cancelled"))
     if not run.ended and run.task is not None:
         run.cancel()
         await asyncio.shield(run.task)
