@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections import Counter
@@ -66,7 +67,26 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(as `bench offline` does; their prompts are then cached)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to connect, and to wait for each read, per request")
+    p.add_argument("--api", default="completions",
+                   help="which API's stream to time, or several, comma-separated, run in "
+                        "turn --rounds times with the ratios of their median tok/s to the "
+                        "first: completions (token-id prompts), chat (/chat/completions), "
+                        "responses (/responses), messages (/messages, Anthropic's); the last "
+                        "three send the prompt as text, the same words for each")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="runs of each --api, alternating (medians reported)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+
+
+APIS = ("completions", "chat", "responses", "messages")
+# words the text prompts are made of, one per token id (a client without the server's
+# tokenizer; each API gets the same text)
+_WORDS = ("tide", "wire", "stream", "token", "river", "harbor", "signal", "lantern", "coast",
+          "anchor", "current", "beacon", "shore", "wave", "keel", "compass")
+
+
+def prompt_text(ids: list[int]) -> str:
+    return " ".join(_WORDS[t % len(_WORDS)] for t in ids)
 
 
 @dataclass
@@ -121,14 +141,31 @@ def _headers(api_key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}", "Content-Type": "application/json"}
 
 
-def _body(r: BenchRequest, model: str | None) -> dict[str, Any]:
-    """The request: the same tokens and length for every server, greedy, EOS ignored."""
-    body: dict[str, Any] = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens,
-                            "temperature": 0, "ignore_eos": True, "stream": True,
-                            "stream_options": {"include_usage": True}}
+def _body(r: BenchRequest, model: str | None, api: str = "completions") -> dict[str, Any]:
+    """The request: the same tokens (or words) and length for every server, greedy, EOS
+    ignored."""
+    greedy = {"temperature": 0, "ignore_eos": True, "stream": True}
+    text = prompt_text(r.prompt_token_ids)
+    body: dict[str, Any]
+    if api == "completions":
+        body = {"prompt": r.prompt_token_ids, "max_tokens": r.max_tokens, **greedy,
+                "stream_options": {"include_usage": True}}
+    elif api == "chat":
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens,
+                **greedy, "stream_options": {"include_usage": True}}
+    elif api == "responses":
+        body = {"input": text, "max_output_tokens": r.max_tokens, **greedy}
+    else:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens,
+                **greedy}
     if model is not None:
         body["model"] = model
     return body
+
+
+def _path(api: str) -> str:
+    return {"completions": "completions", "chat": "chat/completions", "responses": "responses",
+            "messages": "messages"}[api]
 
 
 async def default_model(client: aiohttp.ClientSession, base: str, headers: dict[str, str]
@@ -150,9 +187,26 @@ async def default_model(client: aiohttp.ClientSession, base: str, headers: dict[
     return None
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome) -> None:
-    """Time the content chunks of one 200 response until [DONE]; an error event, a bad
-    data line or a stream that ends without [DONE] marks the request failed."""
+# the typed-event APIs: (the event of a content delta, the events that end the stream)
+_TYPED = {"responses": ("response.output_text.delta",
+                        ("response.completed", "response.incomplete", "response.failed")),
+          "messages": ("content_block_delta", ("message_stop", "error"))}
+
+
+def _typed_usage(api: str, event: dict[str, Any]) -> int | None:
+    if api == "responses":
+        usage = (event.get("response") or {}).get("usage") or {}
+    else:
+        usage = event.get("usage") or {}
+    value = usage.get("output_tokens")
+    return int(value) if value is not None else None
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome,
+                       api: str = "completions") -> None:
+    """Time the content chunks of one 200 response until [DONE] (or the typed APIs' last
+    event); an error event, a bad data line or a stream that ends early marks the
+    request failed."""
     async for raw in resp.content:  # one line at a time
         now = time.perf_counter()
         line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
@@ -164,6 +218,19 @@ async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome) -> None:
         if event == "[DONE]":
             return
         if not isinstance(event, dict):
+            continue
+        if api in _TYPED:
+            delta, ends = _TYPED[api]
+            kind = event.get("type")
+            if kind == delta:
+                out.chunk_times.append(now)
+            tokens = _typed_usage(api, event)
+            if tokens is not None:
+                out.usage_tokens = tokens
+            if kind in ends:
+                if kind in ("response.failed", "error"):
+                    out.fail("stream_error", json.dumps(event)[:300])
+                return
             continue
         if event.get("error"):
             out.fail("stream_error", json.dumps(event["error"])[:300])
@@ -177,7 +244,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, out: Outcome) -> None:
 
 
 async def stream_one(client: aiohttp.ClientSession, url: str, headers: dict[str, str],
-                     body: dict[str, Any], out: Outcome) -> None:
+                     body: dict[str, Any], out: Outcome, api: str = "completions") -> None:
     """Send one request and fill `out`. Every failure is recorded there, never raised (any
     exception: a server's odd reply must cost one request, not the run), keyed by the
     status code or the exception's class."""
@@ -189,7 +256,7 @@ async def stream_one(client: aiohttp.ClientSession, url: str, headers: dict[str,
                 text = (await resp.read()).decode(errors="replace")
                 out.fail(str(resp.status), text.strip())
             else:
-                await _read_stream(resp, out)
+                await _read_stream(resp, out, api)
     except Exception as e:  # noqa: BLE001 - see the docstring
         out.fail(type(e).__name__, str(e) or repr(e))
     finally:
@@ -197,7 +264,8 @@ async def stream_one(client: aiohttp.ClientSession, url: str, headers: dict[str,
 
 
 async def run_workload(base: str, model: str | None, api_key: str, work: list[BenchRequest],
-                       timeout: float, warmup: int = 0) -> tuple[str | None, list[Outcome]]:
+                       timeout: float, warmup: int = 0, api: str = "completions"
+                       ) -> tuple[str | None, list[Outcome]]:
     """Resolve the model name if not given, send the first `warmup` requests (untimed,
     outcomes dropped), then every request at once, one connection each (no limit on
     connections, so none waits for a slot)."""
@@ -209,13 +277,13 @@ async def run_workload(base: str, model: str | None, api_key: str, work: list[Be
                                      timeout=timeouts) as client:
         if model is None:
             model = await default_model(client, base, headers)
-        url = f"{base}/completions"
+        url = f"{base}/{_path(api)}"
         if warmup > 0:
-            await asyncio.gather(*(stream_one(client, url, headers, _body(r, model),
-                                              Outcome(i, r.max_tokens))
+            await asyncio.gather(*(stream_one(client, url, headers, _body(r, model, api),
+                                              Outcome(i, r.max_tokens), api)
                                    for i, r in enumerate(work[:warmup])))
         outs = [Outcome(i, r.max_tokens) for i, r in enumerate(work)]
-        await asyncio.gather(*(stream_one(client, url, headers, _body(r, model), o)
+        await asyncio.gather(*(stream_one(client, url, headers, _body(r, model, api), o, api)
                                for r, o in zip(work, outs)))
     return model, outs
 
@@ -294,16 +362,20 @@ def print_report(res: dict[str, Any], outs: list[Outcome]) -> None:
           " (the server must honour ignore_eos)")
     first: dict[str, Outcome] = {}
     for o in outs:
-        if not o.ok:
+        if o.failure is not None:
             first.setdefault(o.failure, o)
     for key, o in first.items():
         print(f"  failed {key} x{res['failures_by_status'][key]}: {o.message}")
 
 
 def main(a: argparse.Namespace) -> int:
-    """Run the workload once against --base-url; 0 when every request completed, else 1."""
+    """Run the workload against --base-url (each --api, --rounds times); 0 when every
+    request completed, else 1."""
     if a.num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
+    apis = [x.strip() for x in a.api.split(",") if x.strip()]
+    if not apis or any(x not in APIS for x in apis) or a.rounds < 1:
+        raise ValueError(f"--api takes one or more of {', '.join(APIS)}; --rounds >= 1")
     base = a.base_url.rstrip("/")
     lo, hi = a.output_range
     work = chat64(a.vocab_size, a.num_requests, a.seed, output_range=(lo, hi))
@@ -311,13 +383,30 @@ def main(a: argparse.Namespace) -> int:
 
     if a.warmup < 0:
         raise ValueError("--warmup must be 0 or more")
-    model, outs = uvloop.run(run_workload(base, a.model, a.api_key, work, a.timeout, a.warmup))
-    res = {"workload": "chat-64", "url": f"{base}/completions", "model": model,
-           "warmup_requests": min(a.warmup, len(work)),
-           "vocab_size": a.vocab_size, "seed": a.seed, "output_range": [lo, hi],
-           **summarize(outs)}
-    print_report(res, outs)
+    runs: dict[str, list[dict[str, Any]]] = {x: [] for x in apis}
+    model = a.model
+    for _ in range(a.rounds):
+        for api in apis:
+            model, outs = uvloop.run(run_workload(base, model, a.api_key, work, a.timeout,
+                                                  a.warmup, api))
+            res = {"workload": "chat-64", "api": api, "url": f"{base}/{_path(api)}",
+                   "model": model, "warmup_requests": min(a.warmup, len(work)),
+                   "vocab_size": a.vocab_size, "seed": a.seed, "output_range": [lo, hi],
+                   **summarize(outs)}
+            print_report(res, outs)
+            runs[api].append(res)
+    failures = sum(r["failures"] for rs in runs.values() for r in rs)
+    if len(apis) == 1 and a.rounds == 1:
+        out: dict[str, Any] = runs[apis[0]][0]
+    else:
+        medians = {x: statistics.median(r["output_tok_s"] for r in rs) for x, rs in runs.items()}
+        first = medians[apis[0]]
+        out = {"apis": apis, "rounds": a.rounds, "median_output_tok_s": medians,
+               "ratio_to_first": {x: (m / first if first else None) for x, m in medians.items()},
+               "runs": runs}
+        print("median output tok/s: " + ", ".join(
+            f"{x} {m:.1f} ({out['ratio_to_first'][x]:.3f}x)" for x, m in medians.items()))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(res, indent=2))
-    return 0 if res["failures"] == 0 else 1
+        a.json.write_text(json.dumps(out, indent=2))
+    return 0 if failures == 0 else 1

@@ -17,7 +17,7 @@ the agents built on them). The request becomes a chat turn (service/chat_turn.py
 - `output_config.format` ({type: json_schema, schema}) constrains the answer to the
   schema, as the chat endpoint's response_format; `output_config.effort` is accepted.
 - `max_tokens` (required), `stop_sequences`, `temperature`, `top_p`, `top_k` (which
-  current SDKs send only as extra body fields); `metadata`, `service_tier`,
+  current SDKs send only as extra body fields), and Tidewire's `ignore_eos`; `metadata`, `service_tier`,
   `cache_control` (the prefix cache is automatic), `container`, `diagnostics`,
   `inference_geo`, `speed`, `user_profile_id` and `workspace_id` are accepted and left
   alone.
@@ -47,7 +47,7 @@ from service.reasoning import ThinkOptions
 FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
           "top_k", "stream", "tools", "tool_choice", "thinking", "output_config",
           "metadata", "service_tier", "cache_control", "container", "diagnostics",
-          "inference_geo", "speed", "user_profile_id", "workspace_id"}
+          "inference_geo", "speed", "user_profile_id", "workspace_id", "ignore_eos"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
@@ -219,7 +219,7 @@ def turn_of(gw: Gateway, body: dict[str, Any]) -> Turn:
         raise _bad("stream must be a boolean")
     sampling = {"max_tokens": max_tokens, "stop": stops or None,
                 "response_format": format_of(body),
-                **{k: body.get(k) for k in ("temperature", "top_p", "top_k")}}
+                **{k: body.get(k) for k in ("temperature", "top_p", "top_k", "ignore_eos")}}
     params = openai_request.sampling_params(sampling, True, gw.sampling_defaults)
     return Turn(messages_of(body), params, tools_of(body), think_of(body))
 

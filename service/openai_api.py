@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import RequestOutput
-from service import openai_request
+from service import openai_request, sse_resume
 from service import openai_shapes as shapes
 from service import tools as tool_calls
 from service.completion_jobs import (Job, compile_constraint, end_all, failure, outputs,
@@ -113,10 +113,65 @@ async def _complete(request: Request, chat: bool) -> Response:
             "model": gw.config.model_name}
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_sse(gw, jobs, meta, chat, include_usage, table, tools),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        events = _numbered(_sse(gw, jobs, meta, chat, include_usage, table, tools), jobs)
+        if not sse_resume.wants_resume(request.headers, request.query_params):
+            return _event_stream(_with_ids(events))
+        streams = sse_streams(request)
+        s = streams.start(str(meta["id"]), principal.tenant, events)
+        return _event_stream(streams.follow(s, -1))
     return await _whole(gw, jobs, meta, chat, table, tools)
+
+
+def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _numbered(events: AsyncIterator[str], jobs: list[Job]
+                    ) -> AsyncIterator[tuple[str, int]]:
+    """Each event with the output tokens sent up to it (all choices)."""
+    try:
+        async for event in events:
+            yield event, sum(len(o.token_ids) for job in jobs if job.last
+                             for o in job.last.outputs)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # (an async generator)
+
+
+async def _with_ids(events: AsyncIterator[tuple[str, int]]) -> AsyncIterator[str]:
+    """A stream that is not resumable: its events' ids all the same (a client sees
+    where it was)."""
+    seq = 0
+    try:
+        async for event, tokens in events:
+            yield f"id: {seq}:{tokens}\n{event}"
+            seq += 1
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]  # (an async generator)
+
+
+def sse_streams(request: Request) -> sse_resume.SseStreams:
+    state = request.app.state
+    if getattr(state, "sse_streams", None) is None:
+        state.sse_streams = sse_resume.SseStreams(state.gateway.config.limits)
+    return state.sse_streams  # type: ignore[no-any-return]
+
+
+async def stream_events(request: Request) -> Response:
+    """GET /v1/chat/completions/{id}/events (and /v1/completions/...): a resumable
+    stream's events after Last-Event-ID (or ?after=), then the rest as they come."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        principal = gw.authenticate(request.headers.get("authorization"))
+        after = sse_resume.parse_position(request.headers.get("last-event-id"),
+                                          request.query_params.get("after"))
+        streams = sse_streams(request)
+        s = streams.find(request.path_params["id"], principal.tenant)
+    except ProtocolError as e:
+        if e.code == "invalid_request" and "no resumable stream" in e.message:
+            return error_json(404, "not_found", e.message)
+        return error_response(e)
+    return _event_stream(streams.follow(s, after))
 
 
 async def models(request: Request) -> Response:

@@ -254,6 +254,7 @@ SCHEMAS.update({
                                "maxItems": MAX_STOP_STRINGS},
             "temperature": _number(0, 100), "top_p": _number(0, 1, lo_open=True),
             "top_k": _integer(0, MAX_TOP_K), "stream": {"type": "boolean"},
+            "ignore_eos": _nullable({"type": "boolean"}),
             "tools": {"type": "array", "items": _OPEN}, "tool_choice": _OPEN,
             "thinking": _OPEN, "output_config": _OPEN,
             # accepted and left alone

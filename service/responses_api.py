@@ -38,12 +38,14 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from service import chat_turn, openai_request
 from service import tools as tool_calls
 from service.chat_turn import CallArguments, CallStart, ReasoningDelta, TextDelta, Turn
-from service.gateway import Gateway
-from service.openai_api import error_json, error_response
+from service.gateway import Gateway, Principal
+from service.openai_api import HTTP_STATUS, error_json, error_response
+from service.origins import origin_allowed
 from service.protocol import ProtocolError
 from service.reasoning import ThinkOptions
 
@@ -62,6 +64,8 @@ FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice",
                     "parallel_tool_calls", "text", "max_output_tokens", "reasoning", "store",
                     "background", "previous_response_id", "stream", "metadata",
                     *SAMPLING, *IGNORED})
+# WebSocket mode's response.create: the same, less stream and background, plus these
+SOCKET_FIELDS = (FIELDS - {"stream", "background"}) | {"type", "generate", "stream_id"}
 
 
 def _bad(message: str) -> ProtocolError:
@@ -183,8 +187,8 @@ def think_of(body: dict[str, Any]) -> ThinkOptions:
         else ThinkOptions()
 
 
-def check_request(body: dict[str, Any]) -> None:
-    unknown = sorted(set(body) - FIELDS)
+def check_request(body: dict[str, Any], fields: frozenset[str] = FIELDS) -> None:
+    unknown = sorted(set(body) - fields)
     if unknown:
         raise _bad(f"unknown parameter(s): {', '.join(unknown)}")
     for name in ("stream", "store", "background", "parallel_tool_calls"):
@@ -215,12 +219,13 @@ class Run:
     response: dict[str, Any]
     tenant: str
     history: list[dict[str, Any]]  # input messages (instructions left out)
-    events: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # each event's JSON
     conversation: list[dict[str, Any]] = field(default_factory=list)  # history + the output
     ended_at: float | None = None
     stream: chat_turn.TurnStream | None = None
     task: asyncio.Task | None = None
     cancelled: bool = False
+    followers: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -233,20 +238,36 @@ class Run:
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
         event = {"type": kind, "sequence_number": len(self.events), **data}
-        self.events.append(f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n")
+        self.events.append(json.dumps(event, ensure_ascii=False))
         self._wake.set()
 
     async def follow(self, after: int) -> AsyncIterator[str]:
-        """The events after sequence number `after`, then each new one, to the end."""
+        """The events (JSON) after sequence number `after`, then each new one, to the
+        end."""
         at = after + 1
-        while True:
-            while at < len(self.events):
-                at += 1
-                yield self.events[at - 1]
-            if self.ended:
-                return
-            self._wake.clear()
-            await self._wake.wait()
+        self.followers += 1
+        try:
+            while True:
+                while at < len(self.events):
+                    at += 1
+                    yield self.events[at - 1]
+                if self.ended:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+        finally:
+            self.followers -= 1
+
+    def linger(self, grace: float) -> None:
+        """Its client went away: stop it after `grace` seconds unless someone follows it
+        by then (a resume), at once when it is not stored (nobody can)."""
+        if self.ended:
+            return
+        if grace <= 0 or not self.response["store"]:
+            self.cancel()
+            return
+        asyncio.get_running_loop().call_later(
+            grace, lambda: self.cancel() if not self.followers else None)
 
     def cancel(self) -> None:
         if not self.ended and self.stream is not None:
@@ -432,7 +453,11 @@ class ResponseStore:
 
 
 def store_of(request: Request) -> ResponseStore:
-    state = request.app.state
+    return store_of_app(request.app)
+
+
+def store_of_app(app: Any) -> ResponseStore:
+    state = app.state
     if getattr(state, "responses", None) is None:
         state.responses = ResponseStore()
     return state.responses  # type: ignore[no-any-return]
@@ -444,46 +469,92 @@ def _not_found(e: ProtocolError) -> JSONResponse:
 
 # -- the endpoints ----------------------------------------------------------------------------
 
+async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: dict[str, Any],
+                local: ResponseStore | None = None, fields: frozenset[str] = FIELDS) -> Run:
+    """Check a create body, admit its turn and start its run (or raise ProtocolError).
+    `local`: a socket's own store (WebSocket mode), where previous_response_id is looked
+    up too and its store=false responses are kept while it is open."""
+    check_request(body, fields)
+    openai_request.check_served(gw, body)
+    history: list[dict[str, Any]] = []
+    previous = body.get("previous_response_id")
+    if previous is not None:
+        prev = _previous(store, local, previous, principal.tenant)
+        if not prev.ended:
+            raise _bad(f"the previous response {previous!r} is still in progress")
+        history = list(prev.conversation)
+    history += input_messages(body.get("input"))
+    instructions = body.get("instructions")
+    messages = tool_calls.check_messages(
+        ([{"role": "system", "content": instructions}] if instructions else []) + history)
+    stored = body.get("store", True) is not False
+    if body.get("generate", True) is False:
+        return await _prepared(gw, store if stored else local, principal, body, history,
+                               messages)
+    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    sampling["max_tokens"] = body.get("max_output_tokens")
+    sampling["response_format"] = format_of(body.get("text"))
+    params = openai_request.sampling_params(sampling, True, gw.sampling_defaults)
+    turn = Turn(messages, params, tools_of(body), think_of(body))
+    stream = await chat_turn.admit(gw, principal, turn)
+    run = Run(_response(gw, body, stored, bool(body.get("background"))), principal.tenant,
+              history, stream=stream)
+    (store if stored else local or ResponseStore()).add(run)
+    run.task = asyncio.get_running_loop().create_task(produce(gw, run))
+    return run
+
+
+def _previous(store: ResponseStore, local: ResponseStore | None, rid: str, tenant: str) -> Run:
+    for where in (local, store):
+        if where is not None:
+            try:
+                return where.get(rid, tenant)
+            except ProtocolError:
+                continue
+    raise _bad(f"previous_response_id {rid!r} is not a stored response")
+
+
+async def _prepared(gw: Gateway, store: ResponseStore | None, principal: Principal,
+                    body: dict[str, Any], history: list[dict[str, Any]],
+                    messages: list[dict[str, Any]]) -> Run:
+    """`generate: false` (WebSocket mode): the conversation prefilled into the cache
+    (as /v1/warm) and a completed response with no output, to continue from."""
+    rendered = tool_calls.render(messages, None, gw.engine.template_renders_tools)[0]
+    warmed = await gw.warm(principal, None, None, rendered)
+    run = Run(_response(gw, body, body.get("store", True) is not False, False),
+              principal.tenant, history)
+    r = run.response
+    run.emit("response.created", {"response": _snapshot(r)})
+    r["status"], r["completed_at"] = "completed", int(time.time())
+    r["usage"] = {"input_tokens": warmed["prompt_tokens"],
+                  "input_tokens_details": {"cached_tokens": warmed["cached_tokens"]},
+                  "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": warmed["prompt_tokens"]}
+    run.conversation = list(history)
+    run.ended_at = time.monotonic()
+    run.emit("response.completed", {"response": _snapshot(r)})
+    if store is not None:
+        store.add(run)
+    return run
+
+
 async def create(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    store = store_of(request)
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
         body = await openai_request.read_body(request)
-        check_request(body)
-        openai_request.check_served(gw, body)
-        history: list[dict[str, Any]] = []
-        previous = body.get("previous_response_id")
-        if previous is not None:
-            try:
-                prev = store.get(previous, principal.tenant)
-            except ProtocolError:
-                raise _bad(f"previous_response_id {previous!r} is not a stored response") from None
-            if not prev.ended:
-                raise _bad(f"the previous response {previous!r} is still in progress")
-            history = list(prev.conversation)
-        history += input_messages(body.get("input"))
-        instructions = body.get("instructions")
-        messages = ([{"role": "system", "content": instructions}] if instructions else []) \
-            + history
-        sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
-        sampling["max_tokens"] = body.get("max_output_tokens")
-        sampling["response_format"] = format_of(body.get("text"))
-        params = openai_request.sampling_params(sampling, True, gw.sampling_defaults)
-        turn = Turn(tool_calls.check_messages(messages), params, tools_of(body), think_of(body))
-        stream = await chat_turn.admit(gw, principal, turn)
+        if "generate" in body or "stream_id" in body:
+            raise _bad("generate and stream_id are WebSocket mode's (ws://.../v1/responses)")
+        run = await start(gw, store_of(request), principal, body)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
-    stored, background = body.get("store", True), bool(body.get("background"))
-    run = Run(_response(gw, body, stored, background), principal.tenant, history, stream=stream)
-    if stored:
-        store.add(run)
-    run.task = asyncio.get_running_loop().create_task(produce(gw, run))
+    background = bool(body.get("background"))
     if body.get("stream"):
         return _event_stream(run, -1, stop_on_close=not background)
     if background:
         return JSONResponse(_snapshot(run.response))
+    assert run.task is not None
     try:
         await asyncio.shield(run.task)
     except asyncio.CancelledError:
@@ -510,11 +581,18 @@ def _response(gw: Gateway, body: dict[str, Any], stored: bool, background: bool
             "user": body.get("user"), "metadata": body.get("metadata") or {}}
 
 
+def sse(event: str) -> str:
+    """An event's JSON as a server-sent event, its type the SSE event name (Run.emit
+    writes `{"type": "...", ...` first)."""
+    kind = event[10:event.index('"', 10)]
+    return f"event: {kind}\ndata: {event}\n\n"
+
+
 def _event_stream(run: Run, after: int, stop_on_close: bool) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         try:
             async for event in run.follow(after):
-                yield event
+                yield sse(event)
         finally:
             if stop_on_close:
                 run.cancel()  # (a no-op once it has ended)
@@ -564,3 +642,141 @@ async def cancel(request: Request) -> Response:
         run.cancel()
         await asyncio.shield(run.task)
     return JSONResponse(run.response)
+
+
+# -- WebSocket mode ---------------------------------------------------------------------------
+
+MAX_SOCKET_RESPONSES = 64  # responses in flight or waiting in its lanes, per socket
+
+
+def _socket_error(status: int, e: ProtocolError, stream_id: Any = None) -> str:
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+    event: dict[str, Any] = {"type": "error", "status": status, "error": {
+        "type": kind, "code": e.code, "message": e.message, "param": None}}
+    if stream_id is not None:
+        event["stream_id"] = stream_id
+    return json.dumps(event, ensure_ascii=False)
+
+
+def _with_stream_id(event: str, stream_id: Any) -> str:
+    """An event's JSON with the lane's stream_id (right after its type)."""
+    if stream_id is None:
+        return event
+    at = event.index(",")
+    return f"{event[:at]}, \"stream_id\": {json.dumps(stream_id)}{event[at:]}"
+
+
+class ResponseSocket:
+    """One WebSocket on /v1/responses: `response.create` events (the create body, flat,
+    with `generate` and `stream_id`), each answered by that response's events. Requests
+    of one `stream_id` lane run in order, one at a time; lanes run side by side (no
+    stream_id: the default lane). `response.resume` (Tidewire's) follows a stored
+    response of this key from `starting_after`, as GET ?stream=true does."""
+
+    def __init__(self, ws: Any, gw: Gateway, store: ResponseStore, principal: Principal) -> None:
+        self.ws, self.gw, self.store, self.principal = ws, gw, store, principal
+        self.local = ResponseStore()  # its store=false responses, for previous_response_id
+        self.lanes: dict[Any, asyncio.Queue[dict[str, Any] | None]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.started: list[Run] = []
+        self.pending = 0
+        self._send_lock = asyncio.Lock()
+
+    async def send(self, text: str) -> None:
+        async with self._send_lock:
+            await self.ws.send_text(text)
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                raw = await self.ws.receive_text()
+                try:
+                    msg = json.loads(raw)
+                except (ValueError, RecursionError):
+                    await self.send(_socket_error(400, _bad("the message is not valid JSON")))
+                    continue
+                self.dispatch(msg)
+        finally:
+            for task in self.tasks:
+                task.cancel()
+            grace = self.gw.config.limits.resume_grace
+            for run in self.started:
+                run.linger(grace)
+
+    def dispatch(self, msg: Any) -> None:
+        kind = msg.get("type") if isinstance(msg, dict) else None
+        lane = msg.get("stream_id") if isinstance(msg, dict) else None
+        if kind not in ("response.create", "response.resume"):
+            self._later(self.send(_socket_error(400, _bad(
+                'a message is {"type": "response.create", ...} or '
+                '{"type": "response.resume", "response_id", "starting_after"}'), lane)))
+            return
+        if self.pending >= MAX_SOCKET_RESPONSES:
+            self._later(self.send(_socket_error(429, ProtocolError(
+                "too_many_inflight", f"at most {MAX_SOCKET_RESPONSES} responses in flight "
+                "or waiting on one socket"), lane)))
+            return
+        self.pending += 1
+        queue = self.lanes.get(lane)
+        if queue is None:
+            queue = self.lanes[lane] = asyncio.Queue()
+            self._later(self._lane(lane, queue))
+        queue.put_nowait(msg)
+
+    def _later(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _lane(self, lane: Any, queue: asyncio.Queue[dict[str, Any] | None]) -> None:
+        while True:
+            msg = await queue.get()
+            try:
+                if msg is not None:
+                    await self._one(lane, msg)
+            finally:
+                self.pending -= 1
+
+    async def _one(self, lane: Any, msg: dict[str, Any]) -> None:
+        gw = self.gw
+        try:
+            if msg["type"] == "response.resume":
+                after = msg.get("starting_after", -1)
+                if not isinstance(after, int) or isinstance(after, bool):
+                    raise _bad("starting_after must be an integer")
+                run = self.store.get(str(msg.get("response_id")), self.principal.tenant)
+            else:
+                body = {k: v for k, v in msg.items() if k not in ("type", "stream_id")}
+                run = await start(gw, self.store, self.principal, body, self.local,
+                                  SOCKET_FIELDS - {"type", "stream_id"})
+                self.started.append(run)
+                after = -1
+        except ProtocolError as e:
+            gw.metrics.errors.labels(e.code).inc()
+            status = 404 if e.code == "model_not_found" and msg["type"] == "response.resume" \
+                else HTTP_STATUS.get(e.code, 400)
+            await self.send(_socket_error(status, e, lane))
+            return
+        async for event in run.follow(after):
+            await self.send(_with_stream_id(event, lane))
+
+
+async def socket(ws: WebSocket) -> None:
+    """WS /v1/responses: OpenAI's Responses WebSocket mode (ResponseSocket)."""
+    gw: Gateway = ws.app.state.gateway
+    if not origin_allowed(ws.headers.get("origin"), ws.headers.get("host"),
+                          gw.config.allowed_origins):
+        await ws.close(code=1008, reason="origin not allowed")  # before accept: HTTP 403
+        return
+    try:
+        principal = gw.authenticate(ws.headers.get("authorization"),
+                                    ws.scope.get("subprotocols", []))
+    except ProtocolError:
+        await ws.close(code=1008, reason="unauthorized")  # before accept: HTTP 403
+        return
+    await ws.accept()
+    try:
+        await ResponseSocket(ws, gw, store_of_app(ws.app), principal).serve()
+    except WebSocketDisconnect:
+        pass

@@ -294,3 +294,102 @@ def test_keys_tenants_and_x_api_key(tiny_chat_model) -> None:
             b.responses.delete(r.id)
         with pytest.raises(openai.AuthenticationError):
             oai(s, "sk-wrong").responses.retrieve(r.id)
+
+
+# -- Responses WebSocket mode -----------------------------------------------------------------
+
+def _until_end(conn, n: int = 1) -> list:  # noqa: ANN001 - an openai ResponsesConnection
+    """Events until `n` responses have ended (or an error event)."""
+    events, ended = [], 0
+    while ended < n:
+        e = conn.recv()
+        events.append(e)
+        ended += e.type in ("response.completed", "response.incomplete", "response.failed",
+                            "error")
+    return events
+
+
+def test_websocket_mode_through_the_sdk(server) -> None:
+    """client.responses.connect(): response.create answered by the same events as the
+    HTTP stream; generate: false prefills a turn that a later one continues from its
+    cache; store=false responses continue on the same socket; stream_id lanes run side
+    by side, their events tagged; a bad message is an error event and the socket goes on."""
+    c = oai(server)
+    ask = {"model": MODEL, "input": "Name three colors.", "instructions": "Be brief.",
+           "max_output_tokens": 12, **GREEDY}
+    c.responses.create(**ask)  # warm-up
+    http = [e.type for e in c.responses.create(**ask, stream=True)]
+    with c.responses.connect() as conn:
+        conn.send({"type": "response.create", **ask})
+        events = _until_end(conn)
+        assert [e.type for e in events] == http
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == events[-1].response.output_text and text
+        # a prepared turn, then its continuation (its prompt found in the cache)
+        conn.send({"type": "response.create", "model": MODEL, "generate": False,
+                   "store": False, "input": "A long preamble about the sea. " * 8})
+        (created, done) = _until_end(conn)
+        assert done.type == "response.completed" and done.response.output == []
+        conn.send({"type": "response.create", "model": MODEL, "input": "Go on.",
+                   "previous_response_id": done.response.id, "store": False,
+                   "max_output_tokens": 4})
+        after = _until_end(conn)[-1].response
+        assert after.usage.input_tokens_details.cached_tokens >= 32
+        assert after.usage.input_tokens > done.response.usage.input_tokens
+        with pytest.raises(openai.NotFoundError):  # store=false: this socket's alone
+            c.responses.retrieve(after.id)
+        # two lanes in flight at once
+        for lane in ("a", "b"):
+            conn.send({"type": "response.create", "stream_id": lane, "model": MODEL,
+                       "input": f"Lane {lane}", "max_output_tokens": 24, **GREEDY})
+        both = _until_end(conn, 2)
+        lanes = {e.stream_id for e in both}
+        assert lanes == {"a", "b"} and {e.response.status for e in both[-2:] if
+                                         hasattr(e, "response")} <= {"completed", "incomplete"}
+        firsts = [i for i, e in enumerate(both) if e.type == "response.created"]
+        ends = [i for i, e in enumerate(both) if e.type in ("response.completed",
+                                                            "response.incomplete")]
+        assert max(firsts) < min(ends)  # both had started before either ended
+        conn.send({"type": "response.nope"})
+        (err,) = _until_end(conn)
+        assert err.type == "error" and err.status == 400
+        conn.send({"type": "response.create", "model": MODEL, "input": "Hi",
+                   "max_output_tokens": 2})
+        assert _until_end(conn)[-1].type == "response.incomplete"
+
+
+async def test_websocket_mode_resumes_after_a_dropped_socket(server) -> None:
+    """A stored response whose socket drops runs on for the grace period; a new socket
+    sends response.resume {response_id, starting_after} and gets the rest, ending as the
+    uninterrupted events do."""
+    from websockets.asyncio.client import connect
+
+    url = server.url.replace("http", "ws") + "/v1/responses"
+    ask = {"type": "response.create", "model": MODEL, "input": "Tell me a story.",
+           "max_output_tokens": 64, **GREEDY}
+    async with connect(url) as ws:
+        for _ in range(2):  # (the first one a warm-up: the prompt's blocks cached)
+            await ws.send(json.dumps(ask))
+            whole = []
+            while not whole or whole[-1]["type"] not in ("response.completed",
+                                                         "response.incomplete"):
+                whole.append(json.loads(await ws.recv()))
+    ws = await connect(url)
+    await ws.send(json.dumps(ask))
+    before = [json.loads(await ws.recv()) for _ in range(8)]
+    ws.transport.abort()
+    rid = before[0]["response"]["id"]
+    async with connect(url) as ws:
+        await ws.send(json.dumps({"type": "response.resume", "response_id": rid,
+                                  "starting_after": 7}))
+        rest = []
+        while not rest or rest[-1]["type"] not in ("response.completed",
+                                                   "response.incomplete"):
+            rest.append(json.loads(await ws.recv()))
+    got = before + rest
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert [e["type"] for e in got] == [e["type"] for e in whole]
+    text = "".join(e.get("delta", "") for e in got if e["type"] == "response.output_text.delta")
+    assert text == "".join(e.get("delta", "") for e in whole
+                           if e["type"] == "response.output_text.delta")

@@ -89,3 +89,20 @@ def test_content_chunks_and_sse_lines() -> None:
     assert percentile([], 50) is None
     assert percentile([4.0, 1.0, 3.0, 2.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+
+
+def test_bench_http_times_each_api_in_turn(tiny_chat_model, tmp_path: Path) -> None:
+    """--api chat,responses,messages --rounds 2: the same words to each API's stream, every
+    request to its max_tokens (the usage each API reports), medians and their ratios."""
+    config = ServiceConfig(engine=EngineConfig(model=str(tiny_chat_model), dtype="float32"),
+                           model_name="tiny")
+    with run_server(config) as s:
+        rc, res = _bench(s.url + "/v1", tmp_path / "apis.json", "--output-range", "8", "24",
+                         "--api", "chat,responses,messages", "--rounds", "2", "--warmup", "0")
+    assert rc == 0 and res["apis"] == ["chat", "responses", "messages"]
+    for runs in res["runs"].values():
+        assert len(runs) == 2
+        for r in runs:
+            assert r["completed"] == 6 and r["max_tokens_mismatches"] == 0
+            assert r["tokens_from"] == "usage" and r["inter_chunk_ms"]["count"] > 0
+    assert res["ratio_to_first"]["chat"] == 1.0 and res["median_output_tok_s"]["responses"] > 0

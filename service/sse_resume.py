@@ -1,0 +1,158 @@
+"""Resumable server-sent event streams of the completion endpoints.
+
+Every event of a streamed `/v1/chat/completions` or `/v1/completions` answer carries an
+SSE `id:` of the form `SEQ:TOKENS` (its place in the stream from 0, and the output
+tokens sent up to it). A request that opts in (`X-Tidewire-Resume: 1`, or `?resume=1`
+on the URL) is not aborted when its client goes away: it runs on for `--resume-grace`
+seconds (the socket's grace), its events kept, and
+`GET /v1/chat/completions/{id}/events` (or `/v1/completions/{id}/events`) with the
+standard `Last-Event-ID` header (or `?after=SEQ`) replays what came after and follows the
+rest. That is what a browser's EventSource does by itself when its connection drops, so
+a page resumes with no code. A stream that ended stays replayable for the grace period.
+
+The producer (the endpoint's event generator) runs as a task of its own that appends to
+the record; each connection follows the record. When the last follower leaves, a timer
+of `resume_grace` seconds starts; a follower that comes back in time stops it, and
+otherwise the producer is cancelled, which aborts the request as a disconnect always
+did. At most `max_detached` streams (the socket's limit) run without a follower; past
+it a disconnect aborts at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from service.config import Limits
+from service.protocol import ProtocolError
+
+RETRY_MS = 500  # the reconnection delay a resumable stream asks EventSource for
+
+
+def wants_resume(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
+    """The request opted in: `X-Tidewire-Resume: 1` (or true), or `?resume=1`."""
+    value = headers.get("x-tidewire-resume") or query.get("resume") or ""
+    return value.lower() in ("1", "true", "yes")
+
+
+def parse_position(last_event_id: str | None, after: str | None) -> int:
+    """The sequence number a follower has seen: Last-Event-ID's `SEQ:TOKENS`, or
+    `after`; -1 (nothing yet) without either."""
+    raw = (last_event_id or "").split(":", 1)[0] if last_event_id else after
+    if raw is None or raw == "":
+        return -1
+    if not raw.lstrip("-").isdigit() or int(raw) < -1:
+        raise ProtocolError("invalid_request", "Last-Event-ID must be SEQ:TOKENS and after an "
+                            "integer >= -1")
+    return int(raw)
+
+
+@dataclass(eq=False)
+class SseStream:
+    """One streamed answer: its events (each with its id line) and who follows it."""
+
+    id: str
+    tenant: str
+    events: list[str] = field(default_factory=list)
+    ended: bool = False
+    followers: int = 0
+    task: asyncio.Task | None = None
+    timer: asyncio.TimerHandle | None = None
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, data: str, tokens: int) -> None:
+        seq = len(self.events)
+        retry = f"retry: {RETRY_MS}\n" if seq == 0 else ""
+        self.events.append(f"{retry}id: {seq}:{tokens}\n{data}")
+        self._wake.set()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake.set()
+
+    async def follow(self, after: int) -> AsyncIterator[str]:
+        at = after + 1
+        while True:
+            while at < len(self.events):
+                at += 1
+                yield self.events[at - 1]
+            if self.ended:
+                return
+            self._wake.clear()
+            await self._wake.wait()
+
+
+class SseStreams:
+    """This process's resumable streams, by completion id."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.streams: dict[str, SseStream] = {}
+        self.detached = 0  # running with no follower now
+
+    def start(self, stream_id: str, tenant: str,
+              source: AsyncIterator[tuple[str, int]]) -> SseStream:
+        """Run `source` ((event data, tokens so far) pairs) into a new record."""
+        s = SseStream(stream_id, tenant)
+        self.streams[stream_id] = s
+        s.task = asyncio.get_running_loop().create_task(self._produce(s, source))
+        return s
+
+    def find(self, stream_id: str, tenant: str) -> SseStream:
+        s = self.streams.get(stream_id)
+        if s is None or s.tenant != tenant:
+            raise ProtocolError("invalid_request", f"no resumable stream {stream_id!r} here: "
+                                "unknown, not resumable, or past its grace period")
+        return s
+
+    async def follow(self, s: SseStream, after: int) -> AsyncIterator[str]:
+        """`s`'s events after `after` for one connection; when it goes, the stream may
+        run on detached (see the module doc)."""
+        if s.timer is not None:
+            s.timer.cancel()
+            s.timer = None
+            self.detached -= 1
+        s.followers += 1
+        try:
+            async for event in s.follow(after):
+                yield event
+        finally:
+            s.followers -= 1
+            if not s.followers:
+                self._detach(s)
+
+    def _detach(self, s: SseStream) -> None:
+        grace = self.limits.resume_grace
+        if s.ended:
+            return
+        if grace <= 0 or self.detached >= self.limits.max_detached:
+            self._stop(s)
+            return
+        self.detached += 1
+        s.timer = asyncio.get_running_loop().call_later(grace, self._expire, s)
+
+    def _expire(self, s: SseStream) -> None:
+        s.timer = None
+        self.detached -= 1
+        self._stop(s)
+
+    def _stop(self, s: SseStream) -> None:
+        if s.task is not None and not s.task.done():
+            s.task.cancel()  # closes the endpoint's generator: the request is aborted
+
+    async def _produce(self, s: SseStream, source: AsyncIterator[tuple[str, int]]) -> None:
+        try:
+            async for data, tokens in source:
+                s.add(data, tokens)
+        finally:
+            s.end()
+            if s.timer is not None:
+                s.timer.cancel()
+                s.timer = None
+                self.detached -= 1
+            aclose = getattr(source, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            # replayable for the grace period, then gone
+            asyncio.get_running_loop().call_later(max(self.limits.resume_grace, 0.0),
+                                                  self.streams.pop, s.id, None)
