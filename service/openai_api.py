@@ -113,9 +113,10 @@ async def _complete(request: Request, chat: bool) -> Response:
             "model": gw.config.model_name}
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        events = _numbered(_sse(gw, jobs, meta, chat, include_usage, table, tools), jobs)
+        chunks = _sse(gw, jobs, meta, chat, include_usage, table, tools)
         if not sse_resume.wants_resume(request.headers, request.query_params):
-            return _event_stream(_with_ids(events))
+            return _event_stream(_with_ids(chunks, jobs))
+        events = _numbered(chunks, jobs)
         streams = sse_streams(request)
         s = streams.start(str(meta["id"]), principal.tenant, events)
         return _event_stream(streams.follow(s, -1))
@@ -138,13 +139,14 @@ async def _numbered(events: AsyncIterator[str], jobs: list[Job]
         await events.aclose()  # type: ignore[attr-defined]  # (an async generator)
 
 
-async def _with_ids(events: AsyncIterator[tuple[str, int]]) -> AsyncIterator[str]:
-    """A stream that is not resumable: its events' ids all the same (a client sees
-    where it was)."""
+async def _with_ids(events: AsyncIterator[str], jobs: list[Job]) -> AsyncIterator[str]:
+    """A stream that is not resumable: its events with their ids all the same (a client
+    sees where it was)."""
     seq = 0
     try:
-        async for event, tokens in events:
-            yield f"id: {seq}:{tokens}\n{event}"
+        async for event in events:
+            tokens = sum(len(o.token_ids) for job in jobs if job.last for o in job.last.outputs)
+            yield f"{event[:-1]}id: {seq}:{tokens}\n\n"  # (after data: old readers see it first)
             seq += 1
     finally:
         await events.aclose()  # type: ignore[attr-defined]  # (an async generator)

@@ -32,7 +32,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -355,7 +355,16 @@ class Writer:
 
 
 async def produce(gw: Gateway, run: Run) -> None:
-    """Run the turn, writing the response's events and object; end the run."""
+    """Run the turn to its end (a task: background, whole and WebSocket responses)."""
+    async for _ in steps(gw, run):
+        pass
+
+
+async def steps(gw: Gateway, run: Run) -> AsyncGenerator[None, None]:
+    """Run the turn, writing the response's events and object, yielding after each of
+    the turn's events; end the run. A streamed HTTP response drives this itself (no
+    task between the engine's outputs and its connection); closing it early stops the
+    response (status cancelled)."""
     stream = run.stream
     assert stream is not None
     r = run.response
@@ -366,6 +375,7 @@ async def produce(gw: Gateway, run: Run) -> None:
     try:
         async for event in stream:
             writer.add(event)
+            yield
         o = stream.outcome
         if run.cancelled:
             writer.close("incomplete")
@@ -391,6 +401,9 @@ async def produce(gw: Gateway, run: Run) -> None:
         r["status"], r["error"] = "failed", {"code": "internal_error", "message": str(e)[:200]}
     finally:
         stream.close()
+        if r["status"] == "in_progress":  # closed early: its client went away
+            writer.close("incomplete")
+            r["status"] = "cancelled"
         r["completed_at"] = int(time.time()) if r["status"] == "completed" else None
         run.conversation = run.history + output_messages(r["output"])
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(
@@ -470,10 +483,12 @@ def _not_found(e: ProtocolError) -> JSONResponse:
 # -- the endpoints ----------------------------------------------------------------------------
 
 async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: dict[str, Any],
-                local: ResponseStore | None = None, fields: frozenset[str] = FIELDS) -> Run:
+                local: ResponseStore | None = None, fields: frozenset[str] = FIELDS,
+                driven: bool = False) -> Run:
     """Check a create body, admit its turn and start its run (or raise ProtocolError).
     `local`: a socket's own store (WebSocket mode), where previous_response_id is looked
-    up too and its store=false responses are kept while it is open."""
+    up too and its store=false responses are kept while it is open. `driven`: the
+    caller drives `steps(gw, run)` itself (no task is started)."""
     check_request(body, fields)
     openai_request.check_served(gw, body)
     history: list[dict[str, Any]] = []
@@ -500,7 +515,8 @@ async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: d
     run = Run(_response(gw, body, stored, bool(body.get("background"))), principal.tenant,
               history, stream=stream)
     (store if stored else local or ResponseStore()).add(run)
-    run.task = asyncio.get_running_loop().create_task(produce(gw, run))
+    if not driven:
+        run.task = asyncio.get_running_loop().create_task(produce(gw, run))
     return run
 
 
@@ -545,13 +561,16 @@ async def create(request: Request) -> Response:
         body = await openai_request.read_body(request)
         if "generate" in body or "stream_id" in body:
             raise _bad("generate and stream_id are WebSocket mode's (ws://.../v1/responses)")
-        run = await start(gw, store_of(request), principal, body)
+        background = bool(body.get("background"))
+        driven = bool(body.get("stream")) and not background
+        run = await start(gw, store_of(request), principal, body, driven=driven)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
-    background = bool(body.get("background"))
+    if driven:
+        return _driven_stream(gw, run)
     if body.get("stream"):
-        return _event_stream(run, -1, stop_on_close=not background)
+        return _event_stream(run, -1, stop_on_close=False)
     if background:
         return JSONResponse(_snapshot(run.response))
     assert run.task is not None
@@ -586,6 +605,24 @@ def sse(event: str) -> str:
     writes `{"type": "...", ...` first)."""
     kind = event[10:event.index('"', 10)]
     return f"event: {kind}\ndata: {event}\n\n"
+
+
+def _driven_stream(gw: Gateway, run: Run) -> StreamingResponse:
+    """A streamed response that is not background: this connection runs it, sending
+    each event as it is written; its going away stops the response."""
+    async def events() -> AsyncIterator[str]:
+        sent, produced = 0, steps(gw, run)
+        try:
+            async for _ in produced:
+                while sent < len(run.events):
+                    sent += 1
+                    yield sse(run.events[sent - 1])
+            for event in run.events[sent:]:
+                yield sse(event)
+        finally:
+            await produced.aclose()
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _event_stream(run: Run, after: int, stop_on_close: bool) -> StreamingResponse:

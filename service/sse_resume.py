@@ -61,9 +61,10 @@ class SseStream:
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add(self, data: str, tokens: int) -> None:
+        """`data`: an event's `data: ...` line(s) and its blank line."""
         seq = len(self.events)
         retry = f"retry: {RETRY_MS}\n" if seq == 0 else ""
-        self.events.append(f"{retry}id: {seq}:{tokens}\n{data}")
+        self.events.append(f"{data[:-1]}id: {seq}:{tokens}\n{retry}\n")
         self._wake.set()
 
     def end(self) -> None:
