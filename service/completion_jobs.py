@@ -55,10 +55,12 @@ async def compile_constraint(gw: Gateway, principal: Principal,
 async def submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
                      body: dict[str, Any], chat: bool,
                      tools: tool_calls.Tools | None = None,
-                     think: ThinkOptions | None = None) -> list[Job]:
+                     think: ThinkOptions | None = None,
+                     continued: list[int] | None = None) -> list[Job]:
     """Admit each prompt, or none: a refusal releases the ones already admitted. A large
     prompt is tokenized off the event loop first (Gateway.prompt_ids). `think`: a chat's
-    template variables and reasoning budget."""
+    template variables and reasoning budget. `continued`: the output token ids a stream
+    resumed here had sent (one prompt, one choice): the request goes on from them."""
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise ProtocolError("invalid_request", "echo must be a boolean")
@@ -70,6 +72,9 @@ async def submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
     if messages is not None:
         messages, template_tools = tool_calls.render(messages, tools,
                                                      gw.engine.template_renders_tools)
+    if continued is not None and (len(prompts) != 1 or params.n != 1 or echo):
+        raise ProtocolError("invalid_request", "only a one-prompt, one-choice stream can be "
+                            "continued on another replica")
     if len(prompts) * params.n > openai_request.MAX_PROMPT_SAMPLES:
         raise ProtocolError("invalid_request", f"{len(prompts)} prompts x n = {params.n} is over "
                             f"{openai_request.MAX_PROMPT_SAMPLES} samples in one request")
@@ -83,13 +88,17 @@ async def submit_all(gw: Gateway, principal: Principal, params: SamplingParams,
     try:
         for i, prompt in enumerate(prompts):
             adm = gw.submit(principal, params, None, prompt, messages, tools=template_tools,
-                            prompt_ids=ids[i], template_kwargs=kwargs)
+                            prompt_ids=ids[i], template_kwargs=kwargs,
+                            output_token_ids=continued or ())
             job = Job(adm, i * params.n, None, params.logprobs is not None)
             jobs.append(job)  # (ended with the others from here on, whatever comes next)
             gw.http_inflight.add(adm)
             if think is not None:
                 job.think = gw.think.request(adm.stream.output.prompt_token_ids, think,
                                              params.n, constrained)
+                if job.think is not None and continued:  # the split of what was sent
+                    first = adm.stream.output.outputs[0]
+                    job.think.samples[0].prime(first.text, len(first.token_ids))
             if echo:
                 job.echo = _echo_text(gw, adm, prompt)  # type: ignore[arg-type]
     except BaseException:  # a refusal, or a fault of ours: nothing admitted may leak

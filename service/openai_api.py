@@ -10,7 +10,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import RequestOutput
 from service import openai_request, sse_resume
+from service.stream_records import StreamRecords
 from service import openai_shapes as shapes
 from service import tools as tool_calls
 from service.completion_jobs import (Job, compile_constraint, end_all, failure, outputs,
@@ -86,26 +87,7 @@ async def _complete(request: Request, chat: bool) -> Response:
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
         body = await openai_request.read_body(request)
-        openai_request.check_types(body, chat)
-        openai_request.check_served(gw, body)
-        tools = tool_calls.for_model(openai_request.tools_of(body, chat), gw.engine.tokenizer)
-        think = openai_request.think_of(body, chat)
-        params = openai_request.sampling_params(body, chat, gw.sampling_defaults)
-        if tools is not None and tools.constrained:
-            if params.response_format is not None:
-                raise ProtocolError("invalid_request", "a required or named tool_choice cannot "
-                                    "be combined with response_format")
-            try:
-                params = dataclasses.replace(params,
-                                             response_format=tool_calls.constraint(tools))
-            except ValueError as e:
-                raise ProtocolError("invalid_request", str(e)) from None
-        params = gw.think.engine_params(params, think)  # max_reasoning_tokens, for the engine
-        await compile_constraint(gw, principal, params)
-        # chat logprobs carry each token's bytes (the table was built when the model loaded)
-        table = (gw.engine.byte_table(False)
-                 if chat and params.logprobs is not None else None)
-        jobs = await submit_all(gw, principal, params, body, chat, tools, think)
+        jobs, table, tools = await _admit(gw, principal, body, chat)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
@@ -116,11 +98,57 @@ async def _complete(request: Request, chat: bool) -> Response:
         chunks = _sse(gw, jobs, meta, chat, include_usage, table, tools)
         if not sse_resume.wants_resume(request.headers, request.query_params):
             return _event_stream(_with_ids(chunks, jobs))
-        events = _numbered(chunks, jobs)
         streams = sse_streams(request)
-        s = streams.start(str(meta["id"]), principal.tenant, events)
+        cid = str(meta["id"])
+        record = None
+        if streams.records is not None and len(jobs) == 1 and tools is None \
+                and len(jobs[0].adm.stream.output.outputs) == 1 and jobs[0].echo is None:
+            if await streams.records.begin(cid, {"tenant": principal.tenant, "chat": chat,
+                                                 "body": body, "created": meta["created"]}):
+                record = _recorder(streams.records, cid, jobs[0])
+        s = streams.start(cid, principal.tenant, _numbered(chunks, jobs), record)
         return _event_stream(streams.follow(s, -1))
     return await _whole(gw, jobs, meta, chat, table, tools)
+
+
+async def _admit(gw: Gateway, principal: Any, body: dict[str, Any], chat: bool,
+                 continued: list[int] | None = None
+                 ) -> tuple[list[Job], list[bytes] | None, tool_calls.Tools | None]:
+    """Check a completion body and admit its prompts (or raise ProtocolError): the
+    jobs, the byte table its logprobs need, its tools. `continued`: the output token ids
+    a stream resumed here had already sent (one prompt, one choice)."""
+    openai_request.check_types(body, chat)
+    openai_request.check_served(gw, body)
+    tools = tool_calls.for_model(openai_request.tools_of(body, chat), gw.engine.tokenizer)
+    think = openai_request.think_of(body, chat)
+    params = openai_request.sampling_params(body, chat, gw.sampling_defaults)
+    if tools is not None and tools.constrained:
+        if params.response_format is not None:
+            raise ProtocolError("invalid_request", "a required or named tool_choice cannot "
+                                "be combined with response_format")
+        try:
+            params = dataclasses.replace(params, response_format=tool_calls.constraint(tools))
+        except ValueError as e:
+            raise ProtocolError("invalid_request", str(e)) from None
+    params = gw.think.engine_params(params, think)  # max_reasoning_tokens, for the engine
+    await compile_constraint(gw, principal, params)
+    # chat logprobs carry each token's bytes (the table was built when the model loaded)
+    table = gw.engine.byte_table(False) if chat and params.logprobs is not None else None
+    jobs = await submit_all(gw, principal, params, body, chat, tools, think, continued)
+    return jobs, table, tools
+
+
+def _recorder(records: StreamRecords, cid: str, job: Job) -> Callable[[int], Awaitable[None]]:
+    """Writes the token ids each event adds to the stream's record, before it goes out."""
+    sent = 0
+
+    async def record(tokens: int) -> None:
+        nonlocal sent
+        if tokens > sent and job.last is not None:
+            ids = job.last.outputs[0].token_ids[sent:tokens]
+            sent = tokens
+            await records.append(cid, list(ids))
+    return record
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
@@ -139,10 +167,10 @@ async def _numbered(events: AsyncIterator[str], jobs: list[Job]
         await events.aclose()  # type: ignore[attr-defined]  # (an async generator)
 
 
-async def _with_ids(events: AsyncIterator[str], jobs: list[Job]) -> AsyncIterator[str]:
+async def _with_ids(events: AsyncIterator[str], jobs: list[Job], seq: int = 0
+                    ) -> AsyncIterator[str]:
     """A stream that is not resumable: its events with their ids all the same (a client
-    sees where it was)."""
-    seq = 0
+    sees where it was), numbered from `seq`."""
     try:
         async for event in events:
             tokens = sum(len(o.token_ids) for job in jobs if job.last for o in job.last.outputs)
@@ -155,25 +183,52 @@ async def _with_ids(events: AsyncIterator[str], jobs: list[Job]) -> AsyncIterato
 def sse_streams(request: Request) -> sse_resume.SseStreams:
     state = request.app.state
     if getattr(state, "sse_streams", None) is None:
-        state.sse_streams = sse_resume.SseStreams(state.gateway.config.limits)
+        config = state.gateway.config
+        tier, grace = config.engine.tier, config.limits.resume_grace
+        records = (StreamRecords(tier.redis_url, max(grace, 60.0), tier.io_timeout)
+                   if tier.kind == "redis" and tier.redis_url and grace > 0 else None)
+        state.sse_streams = sse_resume.SseStreams(config.limits, records)
     return state.sse_streams  # type: ignore[no-any-return]
 
 
 async def stream_events(request: Request) -> Response:
     """GET /v1/chat/completions/{id}/events (and /v1/completions/...): a resumable
-    stream's events after Last-Event-ID (or ?after=), then the rest as they come."""
+    stream's events after Last-Event-ID (or ?after=), then the rest as they come; a
+    stream this replica does not hold is continued from its record (stream_records)."""
     gw: Gateway = request.app.state.gateway
+    sid = request.path_params["id"]
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
-        after = sse_resume.parse_position(request.headers.get("last-event-id"),
-                                          request.query_params.get("after"))
+        after, tokens = sse_resume.parse_position(request.headers.get("last-event-id"),
+                                                  request.query_params.get("after"))
         streams = sse_streams(request)
-        s = streams.find(request.path_params["id"], principal.tenant)
+        s = streams.streams.get(sid)
+        if s is not None and s.tenant == principal.tenant:
+            return _event_stream(streams.follow(s, after))
+        return await _continue(request, gw, streams, principal, sid, after, tokens)
     except ProtocolError as e:
-        if e.code == "invalid_request" and "no resumable stream" in e.message:
-            return error_json(404, "not_found", e.message)
+        gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
-    return _event_stream(streams.follow(s, after))
+
+
+async def _continue(request: Request, gw: Gateway, streams: sse_resume.SseStreams,
+                    principal: Any, sid: str, after: int, tokens: int | None) -> Response:
+    """A stream another replica ran, continued here from its record."""
+    found = await streams.records.load(sid) if streams.records is not None else None
+    if found is None or found[0].get("tenant") != principal.tenant:
+        return error_json(404, "not_found", f"no resumable stream {sid!r} here: unknown, "
+                          "not resumable, or past its grace period")
+    record, recorded = found
+    if tokens is None or after < 0 or tokens > len(recorded):
+        raise ProtocolError("invalid_request", "a stream continued on another replica needs "
+                            "Last-Event-ID (or after) as SEQ:TOKENS, within what was recorded")
+    body, chat = record["body"], bool(record["chat"])
+    jobs, table, tools = await _admit(gw, principal, body, chat, recorded[:tokens])
+    gw.metrics.resumes.labels("continued").inc()
+    meta = {"id": sid, "created": record["created"], "model": gw.config.model_name}
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    chunks = _sse(gw, jobs, meta, chat, include_usage, table, tools, continued=True)
+    return _event_stream(_with_ids(chunks, jobs, after + 1))
 
 
 async def models(request: Request) -> Response:
@@ -248,20 +303,22 @@ async def _whole(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
 
 async def _sse(gw: Gateway, jobs: list[Job], meta: dict[str, Any], chat: bool,
                include_usage: bool, table: list[bytes] | None,
-               tools: tool_calls.Tools | None = None) -> AsyncIterator[str]:
+               tools: tool_calls.Tools | None = None,
+               continued: bool = False) -> AsyncIterator[str]:
     """Role first (chat), then content deltas, finish_reason on each choice's last
     chunk, optionally a usage chunk, then [DONE]. A client that disconnects closes this
     generator, which aborts the request. With tools, a choice's text goes through its
-    CallStream: content and tool-call deltas."""
+    CallStream: content and tool-call deltas. `continued`: a stream resumed here, whose
+    client has its start (no role chunk, no echo)."""
     tok = gw.engine.tokenizer
     streams: dict[tuple[int, int], tool_calls.CallStream] = {}
     try:
-        if chat:
+        if chat and not continued:
             n = len(jobs[0].adm.stream.output.outputs)
             yield shapes.chunk(meta, chat, [
                 {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 for i in range(n)])
-        for chunk in shapes.echo_chunks(meta, jobs, tok):
+        for chunk in shapes.echo_chunks(meta, [] if continued else jobs, tok):
             yield chunk
         async for job, last in outputs(jobs):
             job.timings.token(len(last.new_token_ids), gw.log_tokens)

@@ -20,11 +20,12 @@ it a disconnect aborts at once."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from service.config import Limits
 from service.protocol import ProtocolError
+from service.stream_records import StreamRecords
 
 RETRY_MS = 500  # the reconnection delay a resumable stream asks EventSource for
 
@@ -35,16 +36,18 @@ def wants_resume(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
     return value.lower() in ("1", "true", "yes")
 
 
-def parse_position(last_event_id: str | None, after: str | None) -> int:
-    """The sequence number a follower has seen: Last-Event-ID's `SEQ:TOKENS`, or
-    `after`; -1 (nothing yet) without either."""
-    raw = (last_event_id or "").split(":", 1)[0] if last_event_id else after
+def parse_position(last_event_id: str | None, after: str | None) -> tuple[int, int | None]:
+    """What a follower has seen: (the last event's sequence number, the output tokens up
+    to it), from Last-Event-ID or `after` (either `SEQ:TOKENS` or `SEQ`; TOKENS None
+    when not given); (-1, 0) without either."""
+    raw = last_event_id if last_event_id else after
     if raw is None or raw == "":
-        return -1
-    if not raw.lstrip("-").isdigit() or int(raw) < -1:
-        raise ProtocolError("invalid_request", "Last-Event-ID must be SEQ:TOKENS and after an "
-                            "integer >= -1")
-    return int(raw)
+        return -1, 0
+    seq, _, tokens = raw.partition(":")
+    if not seq.lstrip("-").isdigit() or int(seq) < -1 or (tokens and not tokens.isdigit()):
+        raise ProtocolError("invalid_request", "Last-Event-ID (or after) must be SEQ:TOKENS "
+                            "or SEQ, SEQ an integer >= -1")
+    return int(seq), int(tokens) if tokens else None
 
 
 @dataclass(eq=False)
@@ -86,17 +89,20 @@ class SseStream:
 class SseStreams:
     """This process's resumable streams, by completion id."""
 
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
+    def __init__(self, limits: Limits, records: StreamRecords | None = None) -> None:
+        """`records`: where streams are recorded for the other replicas (None: nowhere,
+        a stream resumes only here)."""
+        self.limits, self.records = limits, records
         self.streams: dict[str, SseStream] = {}
         self.detached = 0  # running with no follower now
 
-    def start(self, stream_id: str, tenant: str,
-              source: AsyncIterator[tuple[str, int]]) -> SseStream:
-        """Run `source` ((event data, tokens so far) pairs) into a new record."""
+    def start(self, stream_id: str, tenant: str, source: AsyncIterator[tuple[str, int]],
+              record: Callable[[int], Awaitable[None]] | None = None) -> SseStream:
+        """Run `source` ((event data, tokens so far) pairs) into a new record;
+        `record(tokens)`, awaited before each event is added, writes it elsewhere."""
         s = SseStream(stream_id, tenant)
         self.streams[stream_id] = s
-        s.task = asyncio.get_running_loop().create_task(self._produce(s, source))
+        s.task = asyncio.get_running_loop().create_task(self._produce(s, source, record))
         return s
 
     def find(self, stream_id: str, tenant: str) -> SseStream:
@@ -141,9 +147,12 @@ class SseStreams:
         if s.task is not None and not s.task.done():
             s.task.cancel()  # closes the endpoint's generator: the request is aborted
 
-    async def _produce(self, s: SseStream, source: AsyncIterator[tuple[str, int]]) -> None:
+    async def _produce(self, s: SseStream, source: AsyncIterator[tuple[str, int]],
+                       record: Callable[[int], Awaitable[None]] | None) -> None:
         try:
             async for data, tokens in source:
+                if record is not None:
+                    await record(tokens)
                 s.add(data, tokens)
         finally:
             s.end()

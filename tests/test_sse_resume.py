@@ -188,3 +188,45 @@ async def test_chromium_eventsource_resumes_through_a_cut(server) -> None:
         proxy.stop()
     assert proxy.cuts >= 1 and got["errors"] >= 1  # it did drop, and came back
     assert got["text"] == whole and got["done"] == 1
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 0},
+    {"temperature": 1.0, "top_p": 0.9, "seed": 7, "frequency_penalty": 0.5},
+], ids=["greedy", "seeded"])
+def test_a_dropped_stream_continues_on_another_replica(tiny_chat_model, redis_server,
+                                                       sampling: dict) -> None:
+    """Two replicas on one Redis (the KV tier's): a stream that opted in on A records
+    its request and tokens there; its client drops after event 3 and reconnects to B
+    (which never saw it) with Last-Event-ID; B continues it from the tokens the client
+    had, and the text is the uninterrupted run's, one [DONE], ids continuing."""
+    from engine.config import TierConfig
+
+    def config() -> ServiceConfig:
+        return ServiceConfig(engine=EngineConfig(model=str(tiny_chat_model), dtype="float32",
+                                                 tier=TierConfig("redis", redis_server.url)),
+                             model_name="tiny", limits=Limits(resume_grace=30.0))
+
+    body = {**BODY, **sampling}
+    with run_server(config()) as a, run_server(config()) as b:
+        path = "/v1/chat/completions"
+        with stream("POST", a.url + path, body) as r:
+            whole = content(read(r))
+        with stream("POST", a.url + path, body, {"X-Tidewire-Resume": "1"}) as r:
+            before = read(r, until_seq=3)
+        cid = json.loads(before[0]["data"])["id"]
+        continued = b.gateway.metrics.resumes.labels("continued")
+        with stream("GET", f"{b.url}{path}/{cid}/events", None,
+                    {"Last-Event-ID": before[-1]["id"]}) as r:
+            assert r.status == 200
+            after = read(r)
+        assert continued._value.get() == 1  # B ran it, from the record
+        assert [int(e["id"].split(":")[0]) for e in after] == list(range(4, 4 + len(after)))
+        assert content(before) + content(after) == whole
+        assert [e["data"] for e in after].count("[DONE]") == 1
+        assert int(after[-2]["id"].split(":")[1]) == body["max_tokens"]
+        # a stream B cannot continue: no TOKENS in the id, or another id altogether
+        with stream("GET", f"{b.url}{path}/{cid}/events?after=3") as r:
+            assert r.status == 400
+        with stream("GET", f"{b.url}{path}/chatcmpl-nope/events?after=3:5") as r:
+            assert r.status == 404
