@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import RequestOutput
 from service import openai_request, sse_resume
-from service.stream_records import StreamRecords
+from service.shared_state import shared_state_of
 from service import openai_shapes as shapes
 from service import tools as tool_calls
 from service.completion_jobs import (Job, compile_constraint, end_all, failure, outputs,
@@ -101,11 +101,11 @@ async def _complete(request: Request, chat: bool) -> Response:
         streams = sse_streams(request)
         cid = str(meta["id"])
         record = None
-        if streams.records is not None and len(jobs) == 1 and tools is None \
+        if streams.shared is not None and len(jobs) == 1 and tools is None \
                 and len(jobs[0].adm.stream.output.outputs) == 1 and jobs[0].echo is None:
-            if await streams.records.begin(cid, {"tenant": principal.tenant, "chat": chat,
-                                                 "body": body, "created": meta["created"]}):
-                record = _recorder(streams.records, cid, jobs[0])
+            if await streams.record_request(cid, {"tenant": principal.tenant, "chat": chat,
+                                                  "body": body, "created": meta["created"]}):
+                record = _recorder(streams, cid, jobs[0])
         s = streams.start(cid, principal.tenant, _numbered(chunks, jobs), record)
         return _event_stream(streams.follow(s, -1))
     return await _whole(gw, jobs, meta, chat, table, tools)
@@ -138,7 +138,8 @@ async def _admit(gw: Gateway, principal: Any, body: dict[str, Any], chat: bool,
     return jobs, table, tools
 
 
-def _recorder(records: StreamRecords, cid: str, job: Job) -> Callable[[int], Awaitable[None]]:
+def _recorder(streams: sse_resume.SseStreams, cid: str, job: Job
+              ) -> Callable[[int], Awaitable[None]]:
     """Writes the token ids each event adds to the stream's record, before it goes out."""
     sent = 0
 
@@ -147,7 +148,7 @@ def _recorder(records: StreamRecords, cid: str, job: Job) -> Callable[[int], Awa
         if tokens > sent and job.last is not None:
             ids = job.last.outputs[0].token_ids[sent:tokens]
             sent = tokens
-            await records.append(cid, list(ids))
+            await streams.record_tokens(cid, list(ids))
     return record
 
 
@@ -183,18 +184,16 @@ async def _with_ids(events: AsyncIterator[str], jobs: list[Job], seq: int = 0
 def sse_streams(request: Request) -> sse_resume.SseStreams:
     state = request.app.state
     if getattr(state, "sse_streams", None) is None:
-        config = state.gateway.config
-        tier, grace = config.engine.tier, config.limits.resume_grace
-        records = (StreamRecords(tier.redis_url, max(grace, 60.0), tier.io_timeout)
-                   if tier.kind == "redis" and tier.redis_url and grace > 0 else None)
-        state.sse_streams = sse_resume.SseStreams(config.limits, records)
+        limits = state.gateway.config.limits
+        shared = shared_state_of(request.app) if limits.resume_grace > 0 else None
+        state.sse_streams = sse_resume.SseStreams(limits, shared)
     return state.sse_streams  # type: ignore[no-any-return]
 
 
 async def stream_events(request: Request) -> Response:
     """GET /v1/chat/completions/{id}/events (and /v1/completions/...): a resumable
     stream's events after Last-Event-ID (or ?after=), then the rest as they come; a
-    stream this replica does not hold is continued from its record (stream_records)."""
+    stream this replica does not hold is continued from its record (shared_state)."""
     gw: Gateway = request.app.state.gateway
     sid = request.path_params["id"]
     try:
@@ -214,7 +213,7 @@ async def stream_events(request: Request) -> Response:
 async def _continue(request: Request, gw: Gateway, streams: sse_resume.SseStreams,
                     principal: Any, sid: str, after: int, tokens: int | None) -> Response:
     """A stream another replica ran, continued here from its record."""
-    found = await streams.records.load(sid) if streams.records is not None else None
+    found = await streams.load_record(sid)
     if found is None or found[0].get("tenant") != principal.tenant:
         return error_json(404, "not_found", f"no resumable stream {sid!r} here: unknown, "
                           "not resumable, or past its grace period")

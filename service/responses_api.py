@@ -48,7 +48,9 @@ from service.openai_api import HTTP_STATUS, error_json, error_response
 from service.origins import origin_allowed
 from service.protocol import ProtocolError
 from service.reasoning import ThinkOptions
+from service.shared_state import SharedState, shared_state_of
 
+RECORD_PREFIX = "tidewire:resp:"  # a stored response in the shared state
 MAX_STORED = 1000  # stored responses, all tenants together: the oldest ended one goes first
 RESPONSE_TTL = 3600.0  # seconds a stored response is kept once it has ended
 MAX_METADATA = 16
@@ -226,6 +228,7 @@ class Run:
     task: asyncio.Task | None = None
     cancelled: bool = False
     followers: int = 0
+    store: ResponseStore | None = None  # where it is stored (None: nowhere)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -236,9 +239,16 @@ class Run:
     def ended(self) -> bool:
         return self.ended_at is not None
 
+    def event(self, kind: str, data: dict[str, Any]) -> str:
+        """The next event's JSON (its sequence number the next one)."""
+        return json.dumps({"type": kind, "sequence_number": len(self.events), **data},
+                          ensure_ascii=False)
+
     def emit(self, kind: str, data: dict[str, Any]) -> None:
-        event = {"type": kind, "sequence_number": len(self.events), **data}
-        self.events.append(json.dumps(event, ensure_ascii=False))
+        self.emit_last(self.event(kind, data))
+
+    def emit_last(self, event: str) -> None:
+        self.events.append(event)
         self._wake.set()
 
     async def follow(self, after: int) -> AsyncIterator[str]:
@@ -399,17 +409,31 @@ async def steps(gw: Gateway, run: Run) -> AsyncGenerator[None, None]:
     except Exception as e:  # noqa: BLE001 - a fault of ours fails the response, not the server
         writer.close("incomplete")
         r["status"], r["error"] = "failed", {"code": "internal_error", "message": str(e)[:200]}
-    finally:
+    except BaseException:  # closed early (its client went away) or cancelled
         stream.close()
-        if r["status"] == "in_progress":  # closed early: its client went away
-            writer.close("incomplete")
-            r["status"] = "cancelled"
-        r["completed_at"] = int(time.time()) if r["status"] == "completed" else None
-        run.conversation = run.history + output_messages(r["output"])
-        kind = {"completed": "response.completed", "failed": "response.failed"}.get(
-            r["status"], "response.incomplete")
-        run.ended_at = time.monotonic()
-        run.emit(kind, {"response": _snapshot(r)})
+        writer.close("incomplete")
+        r["status"] = "cancelled"
+        run.emit_last(_end(run))
+        if run.store is not None:  # (no await here: shared when it can be)
+            asyncio.get_running_loop().create_task(run.store.publish(run))
+        raise
+    stream.close()
+    last = _end(run)
+    # shared before anyone can see the end: a next turn may go to another replica
+    if run.store is not None:
+        await run.store.publish(run, last)
+    run.emit_last(last)
+
+
+def _end(run: Run) -> str:
+    """End the run: its last event (not yet appended)."""
+    r = run.response
+    r["completed_at"] = int(time.time()) if r["status"] == "completed" else None
+    run.conversation = run.history + output_messages(r["output"])
+    kind = {"completed": "response.completed", "failed": "response.failed"}.get(
+        r["status"], "response.incomplete")
+    run.ended_at = time.monotonic()
+    return run.event(kind, {"response": _snapshot(r)})
 
 
 def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -430,14 +454,55 @@ def _snapshot(response: dict[str, Any]) -> dict[str, Any]:
 
 
 class ResponseStore:
-    """Stored responses of this process, by id, each with its tenant."""
+    """Stored responses of this process, by id, each with its tenant; with `shared`
+    (the Redis of --kv-tier redis), also those another replica stored, written there
+    when they end (service/shared_state.py)."""
 
-    def __init__(self, max_stored: int = MAX_STORED, ttl: float = RESPONSE_TTL) -> None:
-        self.max_stored, self.ttl = max_stored, ttl
+    def __init__(self, max_stored: int = MAX_STORED, ttl: float = RESPONSE_TTL,
+                 shared: SharedState | None = None) -> None:
+        self.max_stored, self.ttl, self.shared = max_stored, ttl, shared
         self._runs: OrderedDict[str, Run] = OrderedDict()
+
+    async def publish(self, run: Run, last: str | None = None) -> None:
+        """Share an ended run (`last`: its final event, if not appended yet)."""
+        if self.shared is None:
+            return
+        events = run.events + ([last] if last is not None else [])
+        await self.shared.put(RECORD_PREFIX + run.id, {
+            "tenant": run.tenant, "response": run.response, "events": events,
+            "conversation": run.conversation}, self.ttl)
+
+    async def fetch(self, response_id: str, tenant: str) -> Run:
+        """A stored response: this process's, else one another replica shared. (An
+        ended one of this process's that another replica deleted is gone here too.)"""
+        try:
+            run = self.get(response_id, tenant)
+            if not run.ended or self.shared is None or \
+                    await self.shared.exists(RECORD_PREFIX + response_id) is not False:
+                return run
+            self._runs.pop(response_id, None)
+            raise ProtocolError("model_not_found", f"no response {response_id!r} is stored "
+                                "here")
+        except ProtocolError:
+            if self.shared is None:
+                raise
+            found = await self.shared.get(RECORD_PREFIX + response_id)
+            if not isinstance(found, dict) or found.get("tenant") != tenant:
+                raise
+        return Run(found["response"], tenant, [], events=found["events"],
+                   conversation=found["conversation"], ended_at=time.monotonic(), store=self)
+
+    async def forget(self, response_id: str, tenant: str) -> Run:
+        """Remove a stored response, here and where it is shared."""
+        run = await self.fetch(response_id, tenant)
+        self._runs.pop(response_id, None)
+        if self.shared is not None:
+            await self.shared.delete(RECORD_PREFIX + response_id)
+        return run
 
     def add(self, run: Run) -> None:
         self._expire()
+        run.store = self
         self._runs[run.id] = run
         while len(self._runs) > self.max_stored:
             oldest = next((r for r in self._runs.values() if r.ended), None)
@@ -451,11 +516,6 @@ class ResponseStore:
         if run is None or run.tenant != tenant:
             raise ProtocolError("model_not_found", f"no response {response_id!r} is stored "
                                 "here") from None
-        return run
-
-    def remove(self, response_id: str, tenant: str) -> Run:
-        run = self.get(response_id, tenant)
-        del self._runs[response_id]
         return run
 
     def _expire(self) -> None:
@@ -472,7 +532,7 @@ def store_of(request: Request) -> ResponseStore:
 def store_of_app(app: Any) -> ResponseStore:
     state = app.state
     if getattr(state, "responses", None) is None:
-        state.responses = ResponseStore()
+        state.responses = ResponseStore(shared=shared_state_of(app))
     return state.responses  # type: ignore[no-any-return]
 
 
@@ -494,7 +554,7 @@ async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: d
     history: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")
     if previous is not None:
-        prev = _previous(store, local, previous, principal.tenant)
+        prev = await _previous(store, local, previous, principal.tenant)
         if not prev.ended:
             raise _bad(f"the previous response {previous!r} is still in progress")
         history = list(prev.conversation)
@@ -520,14 +580,17 @@ async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: d
     return run
 
 
-def _previous(store: ResponseStore, local: ResponseStore | None, rid: str, tenant: str) -> Run:
-    for where in (local, store):
-        if where is not None:
-            try:
-                return where.get(rid, tenant)
-            except ProtocolError:
-                continue
-    raise _bad(f"previous_response_id {rid!r} is not a stored response")
+async def _previous(store: ResponseStore, local: ResponseStore | None, rid: str,
+                    tenant: str) -> Run:
+    if local is not None:
+        try:
+            return local.get(rid, tenant)
+        except ProtocolError:
+            pass
+    try:
+        return await store.fetch(rid, tenant)
+    except ProtocolError:
+        raise _bad(f"previous_response_id {rid!r} is not a stored response") from None
 
 
 async def _prepared(gw: Gateway, store: ResponseStore | None, principal: Principal,
@@ -551,6 +614,7 @@ async def _prepared(gw: Gateway, store: ResponseStore | None, principal: Princip
     run.emit("response.completed", {"response": _snapshot(r)})
     if store is not None:
         store.add(run)
+        await store.publish(run)
     return run
 
 
@@ -641,7 +705,7 @@ async def retrieve(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
-        run = store_of(request).get(request.path_params["id"], principal.tenant)
+        run = await store_of(request).fetch(request.path_params["id"], principal.tenant)
     except ProtocolError as e:
         return error_response(e) if e.code == "unauthorized" else _not_found(e)
     q = request.query_params
@@ -657,7 +721,7 @@ async def delete(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
-        run = store_of(request).remove(request.path_params["id"], principal.tenant)
+        run = await store_of(request).forget(request.path_params["id"], principal.tenant)
     except ProtocolError as e:
         return error_response(e) if e.code == "unauthorized" else _not_found(e)
     run.cancel()
@@ -670,7 +734,7 @@ async def cancel(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         principal = gw.authenticate(request.headers.get("authorization"))
-        run = store_of(request).get(request.path_params["id"], principal.tenant)
+        run = await store_of(request).fetch(request.path_params["id"], principal.tenant)
     except ProtocolError as e:
         return error_response(e) if e.code == "unauthorized" else _not_found(e)
     if not run.response["background"]:
@@ -782,7 +846,8 @@ class ResponseSocket:
                 after = msg.get("starting_after", -1)
                 if not isinstance(after, int) or isinstance(after, bool):
                     raise _bad("starting_after must be an integer")
-                run = self.store.get(str(msg.get("response_id")), self.principal.tenant)
+                run = await self.store.fetch(str(msg.get("response_id")),
+                                             self.principal.tenant)
             else:
                 body = {k: v for k, v in msg.items() if k not in ("type", "stream_id")}
                 run = await start(gw, self.store, self.principal, body, self.local,

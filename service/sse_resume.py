@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 
 from service.config import Limits
 from service.protocol import ProtocolError
-from service.stream_records import StreamRecords
+from service.shared_state import SharedState
 
 RETRY_MS = 500  # the reconnection delay a resumable stream asks EventSource for
+RECORD_PREFIX = "tidewire:sse:"  # a stream's record in the shared state (SseStreams.shared)
 
 
 def wants_resume(headers: Mapping[str, str], query: Mapping[str, str]) -> bool:
@@ -89,12 +90,33 @@ class SseStream:
 class SseStreams:
     """This process's resumable streams, by completion id."""
 
-    def __init__(self, limits: Limits, records: StreamRecords | None = None) -> None:
-        """`records`: where streams are recorded for the other replicas (None: nowhere,
-        a stream resumes only here)."""
-        self.limits, self.records = limits, records
+    def __init__(self, limits: Limits, shared: SharedState | None = None) -> None:
+        """`shared`: where streams are recorded for the other replicas (None: nowhere,
+        a stream resumes only here); a record lives 60 s (or the grace, if longer)
+        after its last event."""
+        self.limits, self.shared = limits, shared
+        self.record_ttl = max(limits.resume_grace, 60.0)
         self.streams: dict[str, SseStream] = {}
         self.detached = 0  # running with no follower now
+
+    async def record_request(self, stream_id: str, request: dict[str, object]) -> bool:
+        assert self.shared is not None
+        return await self.shared.put(RECORD_PREFIX + stream_id, request, self.record_ttl)
+
+    async def record_tokens(self, stream_id: str, token_ids: list[int]) -> None:
+        assert self.shared is not None
+        await self.shared.push(RECORD_PREFIX + stream_id + ":tokens", token_ids,
+                               self.record_ttl, touch=(RECORD_PREFIX + stream_id,))
+
+    async def load_record(self, stream_id: str) -> tuple[dict, list[int]] | None:
+        """A stream's recorded request and every token id recorded, or None."""
+        if self.shared is None:
+            return None
+        found = await self.shared.get_with_list(RECORD_PREFIX + stream_id,
+                                                RECORD_PREFIX + stream_id + ":tokens")
+        if found is None:
+            return None
+        return found[0], [t for piece in found[1] for t in piece]
 
     def start(self, stream_id: str, tenant: str, source: AsyncIterator[tuple[str, int]],
               record: Callable[[int], Awaitable[None]] | None = None) -> SseStream:

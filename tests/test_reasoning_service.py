@@ -430,3 +430,33 @@ async def test_chat_page_shows_the_thinking_apart_and_collapsed(server) -> None:
         assert await page.text_content(f"{done} .thinking .reasoning") == "Let me think."
         assert (await page.text_content(f"{done} .body")).strip() == "Paris."
         p.check()
+
+
+def test_anthropic_thinking_blocks_and_responses_reasoning_items(server) -> None:
+    """The same split through the other APIs: Anthropic's `thinking` (enabled with a
+    budget: the thinking closes after it and the model answers) gives a `thinking` block
+    then a `text` block, whole and streamed alike; chat's reasoning_content and content
+    are the same texts. A Responses answer starts with a `reasoning` item, counted in
+    reasoning_tokens."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    ask = {"model": "smollm2-135m", "max_tokens": MAX, "messages": ASK,
+           "thinking": {"type": "enabled", "budget_tokens": BUDGET},
+           "extra_body": {"temperature": 0, "ignore_eos": True}}
+    r = c.messages.create(**ask)
+    assert [b.type for b in r.content] == ["thinking", "text"] and r.stop_reason == "max_tokens"
+    thought, said = r.content[0].thinking, r.content[1].text
+    want = chat(server, max_tokens=MAX, extra_body={"ignore_eos": True,
+                                                    "max_reasoning_tokens": BUDGET})
+    assert (thought, said) == (want.choices[0].message.reasoning_content,
+                               want.choices[0].message.content)
+    with c.messages.stream(**ask) as s:
+        kinds = [e.delta.type for e in s if e.type == "content_block_delta"]
+        final = s.get_final_message()
+    assert kinds.index("text_delta") > kinds.index("thinking_delta") and "text_delta" in kinds
+    assert (final.content[0].thinking, final.content[1].text) == (thought, said)
+    resp = client(server).responses.create(model="smollm2-135m", input=Q, max_output_tokens=8,
+                                           temperature=0)
+    assert resp.output[0].type == "reasoning" and resp.output[0].content[0].text
+    assert resp.usage.output_tokens_details.reasoning_tokens > 0

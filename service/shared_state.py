@@ -1,0 +1,106 @@
+"""State the replicas share, in the Redis the KV host tier uses (`--kv-tier redis`): small
+JSON records with a TTL. Two kinds live there:
+
+- the record of a resumable completion stream (service/sse_resume.py): its request once,
+  and the token ids of each event before the event is sent, so the record always holds
+  at least what the client has; a replica asked for a stream it does not hold continues
+  it from there (openai_api.stream_events), greedy and seeded text exactly the
+  uninterrupted run's;
+- stored Responses (service/responses_api.py), written when they end: their object,
+  events and conversation, so `previous_response_id`, GET (and its event replay) and
+  DELETE work on any replica.
+
+A Redis that fails costs only the sharing: each replica goes on with what it holds, and
+what only another held is not found (404); a warning is logged once per failure spell."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+log = logging.getLogger("tidewire.service")
+
+
+class SharedState:
+    def __init__(self, url: str, timeout: float) -> None:
+        import redis.asyncio as aioredis
+
+        self.client = aioredis.from_url(url, socket_timeout=timeout,
+                                        socket_connect_timeout=timeout)
+        self._warned = False
+
+    def _failed(self, what: str, e: Exception) -> None:
+        if not self._warned:  # once: a down Redis would otherwise log every event
+            self._warned = True
+            log.warning("shared state: %s failed (%r); replicas go on with what they hold",
+                        what, e)
+
+    async def put(self, key: str, value: Any, ttl: float) -> bool:
+        try:
+            await self.client.set(key, json.dumps(value), ex=max(int(ttl), 1))
+            self._warned = False
+            return True
+        except Exception as e:  # noqa: BLE001 - any Redis failure: not shared, nothing else
+            self._failed(f"writing {key}", e)
+            return False
+
+    async def get(self, key: str) -> Any | None:
+        try:
+            raw = await self.client.get(key)
+        except Exception as e:  # noqa: BLE001 - see put
+            self._failed(f"reading {key}", e)
+            return None
+        return None if raw is None else json.loads(raw)
+
+    async def exists(self, key: str) -> bool | None:
+        """Whether `key` is there (None: Redis did not say)."""
+        try:
+            return bool(await self.client.exists(key))
+        except Exception as e:  # noqa: BLE001 - see put
+            self._failed(f"looking up {key}", e)
+            return None
+
+    async def delete(self, key: str) -> None:
+        try:
+            await self.client.delete(key)
+        except Exception as e:  # noqa: BLE001 - see put
+            self._failed(f"deleting {key}", e)
+
+    async def push(self, key: str, value: Any, ttl: float, touch: tuple[str, ...] = ()) -> bool:
+        """Append `value` to the list at `key`; `key` and `touch` live `ttl` more seconds."""
+        try:
+            async with self.client.pipeline(transaction=False) as p:
+                p.rpush(key, json.dumps(value))
+                for k in (key, *touch):
+                    p.expire(k, max(int(ttl), 1))
+                await p.execute()
+            self._warned = False
+            return True
+        except Exception as e:  # noqa: BLE001 - see put
+            self._failed(f"appending to {key}", e)
+            return False
+
+    async def get_with_list(self, key: str, list_key: str) -> tuple[Any, list[Any]] | None:
+        """The record at `key` and every item of the list at `list_key`, or None."""
+        try:
+            async with self.client.pipeline(transaction=False) as p:
+                p.get(key)
+                p.lrange(list_key, 0, -1)
+                raw, items = await p.execute()
+        except Exception as e:  # noqa: BLE001 - see put
+            self._failed(f"reading {key}", e)
+            return None
+        if raw is None:
+            return None
+        return json.loads(raw), [json.loads(i) for i in items]
+
+
+def shared_state_of(app: Any) -> SharedState | None:
+    """The app's shared state: on the KV tier's Redis, or None without one."""
+    state = app.state
+    if not hasattr(state, "shared_state"):
+        tier = state.gateway.config.engine.tier
+        state.shared_state = (SharedState(tier.redis_url, tier.io_timeout)
+                              if tier.kind == "redis" and tier.redis_url else None)
+    return state.shared_state  # type: ignore[no-any-return]
