@@ -2,7 +2,8 @@
 
 `AsyncClient` (asyncio) and `Client` (blocking) share one socket among any number of
 concurrent streams; `client.chat.stream(...)` / `client.completions.stream(...)` return
-streams of typed events, `create(...)` the whole result."""
+streams of typed events, `create(...)` the whole result. `tidewire_client.sse` streams
+the OpenAI-compatible HTTP endpoints and picks a dropped stream up again."""
 
 from tidewire_client._async import AsyncClient, AsyncStream
 from tidewire_client._errors import (APIConnectionError, APIError, APITimeoutError,
