@@ -9,14 +9,14 @@ are the chat endpoint's, so every API sees the same model output the same way.""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine import SamplingParams
 from service import tools as tool_calls
-from service.completion_jobs import Job, compile_constraint, end_all, failure, outputs, submit_all
+from service.completion_jobs import (Job, compile_constraint, end_all, failure, outputs,
+                                     submit_all, with_tool_constraint)
 from service.gateway import Gateway, Principal
 from service.protocol import ProtocolError
 from service.reasoning import ThinkOptions
@@ -77,16 +77,7 @@ async def admit(gw: Gateway, principal: Principal, turn: Turn) -> TurnStream:
     if turn.params.n != 1:
         raise ProtocolError("invalid_request", "this API generates one answer a request")
     tools = tool_calls.for_model(turn.tools, gw.engine.tokenizer)
-    params = turn.params
-    if tools is not None and tools.constrained:
-        if params.response_format is not None:
-            raise ProtocolError("invalid_request", "a required or named tool choice cannot be "
-                                "combined with a response format")
-        try:
-            params = dataclasses.replace(params, response_format=tool_calls.constraint(tools))
-        except ValueError as e:
-            raise ProtocolError("invalid_request", str(e)) from None
-    params = gw.think.engine_params(params, turn.think)
+    params = gw.think.engine_params(with_tool_constraint(turn.params, tools), turn.think)
     await compile_constraint(gw, principal, params)
     jobs = await submit_all(gw, principal, params, {"messages": turn.messages}, True, tools,
                             turn.think)

@@ -5,6 +5,7 @@ every admission however the response ends. The response shapes are the endpoint'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,21 @@ class Job:
 
     def __post_init__(self) -> None:
         self.timings = Timings(self.adm.arrival)
+
+
+def with_tool_constraint(params: SamplingParams,
+                         tools: tool_calls.Tools | None) -> SamplingParams:
+    """A required or named tool choice's constraint as the request's response_format
+    (it cannot have one of its own)."""
+    if tools is None or not tools.constrained:
+        return params
+    if params.response_format is not None:
+        raise ProtocolError("invalid_request", "a required or named tool_choice cannot be "
+                            "combined with response_format")
+    try:
+        return dataclasses.replace(params, response_format=tool_calls.constraint(tools))
+    except ValueError as e:
+        raise ProtocolError("invalid_request", str(e)) from None
 
 
 async def compile_constraint(gw: Gateway, principal: Principal,

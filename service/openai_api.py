@@ -5,7 +5,6 @@ and the response objects are service.openai_shapes'."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -22,7 +21,7 @@ from service.shared_state import shared_state_of
 from service import openai_shapes as shapes
 from service import tools as tool_calls
 from service.completion_jobs import (Job, compile_constraint, end_all, failure, outputs,
-                                     submit_all, usage)
+                                     submit_all, usage, with_tool_constraint)
 from service.gateway import Gateway
 from service.protocol import ProtocolError
 
@@ -121,15 +120,8 @@ async def _admit(gw: Gateway, principal: Any, body: dict[str, Any], chat: bool,
     openai_request.check_served(gw, body)
     tools = tool_calls.for_model(openai_request.tools_of(body, chat), gw.engine.tokenizer)
     think = openai_request.think_of(body, chat)
-    params = openai_request.sampling_params(body, chat, gw.sampling_defaults)
-    if tools is not None and tools.constrained:
-        if params.response_format is not None:
-            raise ProtocolError("invalid_request", "a required or named tool_choice cannot "
-                                "be combined with response_format")
-        try:
-            params = dataclasses.replace(params, response_format=tool_calls.constraint(tools))
-        except ValueError as e:
-            raise ProtocolError("invalid_request", str(e)) from None
+    params = with_tool_constraint(openai_request.sampling_params(body, chat,
+                                                                 gw.sampling_defaults), tools)
     params = gw.think.engine_params(params, think)  # max_reasoning_tokens, for the engine
     await compile_constraint(gw, principal, params)
     # chat logprobs carry each token's bytes (the table was built when the model loaded)

@@ -49,6 +49,7 @@ from service.origins import origin_allowed
 from service.protocol import ProtocolError
 from service.reasoning import ThinkOptions
 from service.shared_state import SharedState, shared_state_of
+from service.sse_resume import follow_events
 
 RECORD_PREFIX = "tidewire:resp:"  # a stored response in the shared state
 MAX_STORED = 1000  # stored responses, all tenants together: the oldest ended one goes first
@@ -254,17 +255,11 @@ class Run:
     async def follow(self, after: int) -> AsyncIterator[str]:
         """The events (JSON) after sequence number `after`, then each new one, to the
         end."""
-        at = after + 1
         self.followers += 1
         try:
-            while True:
-                while at < len(self.events):
-                    at += 1
-                    yield self.events[at - 1]
-                if self.ended:
-                    return
-                self._wake.clear()
-                await self._wake.wait()
+            async for event in follow_events(self.events, lambda: self.ended, self._wake,
+                                             after):
+                yield event
         finally:
             self.followers -= 1
 
@@ -701,13 +696,23 @@ def _event_stream(run: Run, after: int, stop_on_close: bool) -> StreamingRespons
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def retrieve(request: Request) -> Response:
+async def _stored(request: Request, forget: bool = False) -> Run | Response:
+    """The stored response the path names, for the request's key (removed with
+    `forget`), or the error answer."""
     gw: Gateway = request.app.state.gateway
+    store = store_of(request)
     try:
-        principal = gw.authenticate(request.headers.get("authorization"))
-        run = await store_of(request).fetch(request.path_params["id"], principal.tenant)
+        tenant = gw.authenticate(request.headers.get("authorization")).tenant
+        rid = request.path_params["id"]
+        return await (store.forget(rid, tenant) if forget else store.fetch(rid, tenant))
     except ProtocolError as e:
         return error_response(e) if e.code == "unauthorized" else _not_found(e)
+
+
+async def retrieve(request: Request) -> Response:
+    run = await _stored(request)
+    if not isinstance(run, Run):
+        return run
     q = request.query_params
     if q.get("stream", "false").lower() == "true":
         after = q.get("starting_after", "-1")
@@ -718,12 +723,9 @@ async def retrieve(request: Request) -> Response:
 
 
 async def delete(request: Request) -> Response:
-    gw: Gateway = request.app.state.gateway
-    try:
-        principal = gw.authenticate(request.headers.get("authorization"))
-        run = await store_of(request).forget(request.path_params["id"], principal.tenant)
-    except ProtocolError as e:
-        return error_response(e) if e.code == "unauthorized" else _not_found(e)
+    run = await _stored(request, forget=True)
+    if not isinstance(run, Run):
+        return run
     run.cancel()
     return JSONResponse({"id": run.id, "object": "response", "deleted": True})
 
@@ -731,12 +733,9 @@ async def delete(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     """Stop a background response (OpenAI cancels only those); an ended one is
     returned as it is."""
-    gw: Gateway = request.app.state.gateway
-    try:
-        principal = gw.authenticate(request.headers.get("authorization"))
-        run = await store_of(request).fetch(request.path_params["id"], principal.tenant)
-    except ProtocolError as e:
-        return error_response(e) if e.code == "unauthorized" else _not_found(e)
+    run = await _stored(request)
+    if not isinstance(run, Run):
+        return run
     if not run.response["background"]:
         return error_response(_bad("only background responses can be cancelled"))
     if not run.ended and run.task is not None:

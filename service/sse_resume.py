@@ -76,15 +76,24 @@ class SseStream:
         self._wake.set()
 
     async def follow(self, after: int) -> AsyncIterator[str]:
-        at = after + 1
-        while True:
-            while at < len(self.events):
-                at += 1
-                yield self.events[at - 1]
-            if self.ended:
-                return
-            self._wake.clear()
-            await self._wake.wait()
+        async for event in follow_events(self.events, lambda: self.ended, self._wake, after):
+            yield event
+
+
+async def follow_events(events: list[str], ended: Callable[[], bool], wake: asyncio.Event,
+                        after: int) -> AsyncIterator[str]:
+    """The events after index `after` of a list that grows (each append sets `wake`),
+    then each new one until `ended()`: a follower of a recorded stream (these, and the
+    Responses API's)."""
+    at = after + 1
+    while True:
+        while at < len(events):
+            at += 1
+            yield events[at - 1]
+        if ended():
+            return
+        wake.clear()
+        await wake.wait()
 
 
 class SseStreams:
