@@ -324,11 +324,11 @@ async def _events(gw: Gateway, stream: chat_turn.TurnStream, message_id: str
     """Anthropic's event sequence. A block opens at its first delta and closes when a
     block of another kind (or another call) begins, or at the end. A client that goes
     away closes this generator, which aborts the request."""
-    yield _sse("message_start", {"message": {
-        **_message(gw, message_id), "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": _usage(stream.prompt_tokens, 0, 0)}})
     index, open_kind = -1, None  # the block open now: its index and what it holds
     try:
+        yield _sse("message_start", {"message": {
+            **_message(gw, message_id), "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": _usage(stream.prompt_tokens, 0, 0)}})
         async for event in stream:
             kind = {ReasoningDelta: "thinking", TextDelta: "text"}.get(type(event), "tool_use")
             if isinstance(event, CallStart) or kind != open_kind:

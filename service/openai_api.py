@@ -133,14 +133,14 @@ async def _admit(gw: Gateway, principal: Any, body: dict[str, Any], chat: bool,
 def _recorder(streams: sse_resume.SseStreams, cid: str, job: Job
               ) -> Callable[[int], Awaitable[None]]:
     """Writes the token ids each event adds to the stream's record, before it goes out."""
-    sent = 0
+    sent, broken = 0, False
 
     async def record(tokens: int) -> None:
-        nonlocal sent
-        if tokens > sent and job.last is not None:
+        nonlocal sent, broken
+        if tokens > sent and job.last is not None and not broken:
             ids = job.last.outputs[0].token_ids[sent:tokens]
             sent = tokens
-            await streams.record_tokens(cid, list(ids))
+            broken = not await streams.record_tokens(cid, list(ids))  # (then: no record)
     return record
 
 
@@ -194,7 +194,11 @@ async def stream_events(request: Request) -> Response:
                                                   request.query_params.get("after"))
         streams = sse_streams(request)
         s = streams.streams.get(sid)
-        if s is not None and s.tenant == principal.tenant:
+        # held here, and the client's last event is this replica's own (not one another
+        # replica numbered while continuing it)
+        if s is not None and s.tenant == principal.tenant and (
+                tokens is None or after < 0 or after >= len(s.events)
+                or f"id: {after}:{tokens}\n" in s.events[after]):
             return _event_stream(streams.follow(s, after))
         return await _continue(request, gw, streams, principal, sid, after, tokens)
     except ProtocolError as e:

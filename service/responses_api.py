@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -52,7 +54,9 @@ from service.shared_state import SharedState, shared_state_of
 from service.sse_resume import follow_events
 
 RECORD_PREFIX = "tidewire:resp:"  # a stored response in the shared state
+log = logging.getLogger("tidewire.service")
 MAX_STORED = 1000  # stored responses, all tenants together: the oldest ended one goes first
+MAX_STORED_BYTES = 256 << 20  # and their events and conversations, at most this many bytes
 RESPONSE_TTL = 3600.0  # seconds a stored response is kept once it has ended
 MAX_METADATA = 16
 
@@ -230,6 +234,7 @@ class Run:
     cancelled: bool = False
     followers: int = 0
     store: ResponseStore | None = None  # where it is stored (None: nowhere)
+    size: int = 0  # bytes of its events and conversation, once ended
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -250,6 +255,13 @@ class Run:
 
     def emit_last(self, event: str) -> None:
         self.events.append(event)
+        self._wake.set()
+
+    def finish(self, last: str) -> None:
+        """The last event in; the run is ended (and its size known)."""
+        self.events.append(last)
+        self.size = sum(map(len, self.events)) + len(json.dumps(self.conversation))
+        self.ended_at = time.monotonic()
         self._wake.set()
 
     async def follow(self, after: int) -> AsyncIterator[str]:
@@ -408,26 +420,34 @@ async def steps(gw: Gateway, run: Run) -> AsyncGenerator[None, None]:
         stream.close()
         writer.close("incomplete")
         r["status"] = "cancelled"
-        run.emit_last(_end(run))
+        run.finish(_end(run))
         if run.store is not None:  # (no await here: shared when it can be)
-            asyncio.get_running_loop().create_task(run.store.publish(run))
+            _keep(asyncio.get_running_loop().create_task(run.store.publish(run)))
         raise
     stream.close()
     last = _end(run)
     # shared before anyone can see the end: a next turn may go to another replica
     if run.store is not None:
         await run.store.publish(run, last)
-    run.emit_last(last)
+    run.finish(last)
+
+
+_BACKGROUND: set[asyncio.Task[None]] = set()  # fire-and-forget tasks, referenced till done
+
+
+def _keep(task: asyncio.Task[None]) -> None:
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
 
 
 def _end(run: Run) -> str:
-    """End the run: its last event (not yet appended)."""
+    """The run's last event (not yet appended: `finish` does, and only then is the run
+    ended, so no follower stops before it has the last event)."""
     r = run.response
     r["completed_at"] = int(time.time()) if r["status"] == "completed" else None
     run.conversation = run.history + output_messages(r["output"])
     kind = {"completed": "response.completed", "failed": "response.failed"}.get(
         r["status"], "response.incomplete")
-    run.ended_at = time.monotonic()
     return run.event(kind, {"response": _snapshot(r)})
 
 
@@ -454,8 +474,8 @@ class ResponseStore:
     when they end (service/shared_state.py)."""
 
     def __init__(self, max_stored: int = MAX_STORED, ttl: float = RESPONSE_TTL,
-                 shared: SharedState | None = None) -> None:
-        self.max_stored, self.ttl, self.shared = max_stored, ttl, shared
+                 shared: SharedState | None = None, max_bytes: int = MAX_STORED_BYTES) -> None:
+        self.max_stored, self.ttl, self.shared, self.max_bytes = max_stored, ttl, shared, max_bytes
         self._runs: OrderedDict[str, Run] = OrderedDict()
 
     async def publish(self, run: Run, last: str | None = None) -> None:
@@ -499,10 +519,12 @@ class ResponseStore:
         self._expire()
         run.store = self
         self._runs[run.id] = run
-        while len(self._runs) > self.max_stored:
+        held = sum(r.size for r in self._runs.values())
+        while len(self._runs) > self.max_stored or held > self.max_bytes:
             oldest = next((r for r in self._runs.values() if r.ended), None)
             if oldest is None:
                 break  # every stored one is still running: they end on their own
+            held -= oldest.size
             del self._runs[oldest.id]
 
     def get(self, response_id: str, tenant: str) -> Run:
@@ -605,8 +627,7 @@ async def _prepared(gw: Gateway, store: ResponseStore | None, principal: Princip
                   "output_tokens": 0, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": warmed["prompt_tokens"]}
     run.conversation = list(history)
-    run.ended_at = time.monotonic()
-    run.emit("response.completed", {"response": _snapshot(r)})
+    run.finish(run.event("response.completed", {"response": _snapshot(r)}))
     if store is not None:
         store.add(run)
         await store.publish(run)
@@ -716,8 +737,8 @@ async def retrieve(request: Request) -> Response:
     q = request.query_params
     if q.get("stream", "false").lower() == "true":
         after = q.get("starting_after", "-1")
-        if not after.lstrip("-").isdigit():
-            return error_response(_bad("starting_after must be an integer"))
+        if not re.fullmatch(r"-1|\d{1,9}", after, re.ASCII):
+            return error_response(_bad("starting_after must be an integer >= -1"))
         return _event_stream(run, int(after), stop_on_close=False)
     return JSONResponse(run.response)
 
@@ -776,8 +797,9 @@ class ResponseSocket:
 
     def __init__(self, ws: Any, gw: Gateway, store: ResponseStore, principal: Principal) -> None:
         self.ws, self.gw, self.store, self.principal = ws, gw, store, principal
-        self.local = ResponseStore()  # its store=false responses, for previous_response_id
-        self.lanes: dict[Any, asyncio.Queue[dict[str, Any] | None]] = {}
+        # its store=false responses, for previous_response_id
+        self.local = ResponseStore(max_stored=MAX_SOCKET_RESPONSES)
+        self.lanes: dict[Any, asyncio.Queue[dict[str, Any] | None]] = {}  # while busy
         self.tasks: set[asyncio.Task[None]] = set()
         self.started: list[Run] = []
         self.pending = 0
@@ -807,6 +829,10 @@ class ResponseSocket:
     def dispatch(self, msg: Any) -> None:
         kind = msg.get("type") if isinstance(msg, dict) else None
         lane = msg.get("stream_id") if isinstance(msg, dict) else None
+        if lane is not None and not (isinstance(lane, str) and 0 < len(lane) <= 64):
+            self._later(self.send(_socket_error(400, _bad(
+                "stream_id must be a string of 1-64 characters"))))
+            return
         if kind not in ("response.create", "response.resume"):
             self._later(self.send(_socket_error(400, _bad(
                 'a message is {"type": "response.create", ...} or '
@@ -830,25 +856,39 @@ class ResponseSocket:
         task.add_done_callback(self.tasks.discard)
 
     async def _lane(self, lane: Any, queue: asyncio.Queue[dict[str, Any] | None]) -> None:
+        """A lane's messages in order; the lane ends when it has none left (no await
+        between the last check and its removal, so a message queued meanwhile is not
+        lost: dispatch then starts a new lane)."""
         while True:
             msg = await queue.get()
             try:
                 if msg is not None:
                     await self._one(lane, msg)
+            except Exception as e:  # noqa: BLE001 - a fault of ours answers this message only
+                log.exception("responses socket: a message failed")
+                await self.send(_socket_error(500, ProtocolError(
+                    "internal_error", f"the server failed this message: {type(e).__name__}"),
+                    lane))
             finally:
                 self.pending -= 1
+            if queue.empty():
+                del self.lanes[lane]
+                return
 
     async def _one(self, lane: Any, msg: dict[str, Any]) -> None:
         gw = self.gw
+        self.started = [r for r in self.started if not r.ended]
         try:
             if msg["type"] == "response.resume":
                 after = msg.get("starting_after", -1)
-                if not isinstance(after, int) or isinstance(after, bool):
-                    raise _bad("starting_after must be an integer")
+                if not isinstance(after, int) or isinstance(after, bool) or after < -1:
+                    raise _bad("starting_after must be an integer >= -1")
                 run = await self.store.fetch(str(msg.get("response_id")),
                                              self.principal.tenant)
             else:
                 body = {k: v for k, v in msg.items() if k not in ("type", "stream_id")}
+                if not isinstance(body.get("generate", True), bool):
+                    raise _bad("generate must be a boolean")
                 run = await start(gw, self.store, self.principal, body, self.local,
                                   SOCKET_FIELDS - {"type", "stream_id"})
                 self.started.append(run)

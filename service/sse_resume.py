@@ -20,6 +20,7 @@ it a disconnect aborts at once."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -44,11 +45,11 @@ def parse_position(last_event_id: str | None, after: str | None) -> tuple[int, i
     raw = last_event_id if last_event_id else after
     if raw is None or raw == "":
         return -1, 0
-    seq, _, tokens = raw.partition(":")
-    if not seq.lstrip("-").isdigit() or int(seq) < -1 or (tokens and not tokens.isdigit()):
+    m = re.fullmatch(r"(-1|\d{1,9})(?::(\d{1,9}))?", raw, re.ASCII)
+    if m is None:
         raise ProtocolError("invalid_request", "Last-Event-ID (or after) must be SEQ:TOKENS "
                             "or SEQ, SEQ an integer >= -1")
-    return int(seq), int(tokens) if tokens else None
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else None
 
 
 @dataclass(eq=False)
@@ -112,10 +113,15 @@ class SseStreams:
         assert self.shared is not None
         return await self.shared.put(RECORD_PREFIX + stream_id, request, self.record_ttl)
 
-    async def record_tokens(self, stream_id: str, token_ids: list[int]) -> None:
+    async def record_tokens(self, stream_id: str, token_ids: list[int]) -> bool:
+        """Append an event's token ids; on a failure the record is dropped (a gap would
+        continue the stream from the wrong tokens): False."""
         assert self.shared is not None
-        await self.shared.push(RECORD_PREFIX + stream_id + ":tokens", token_ids,
-                               self.record_ttl, touch=(RECORD_PREFIX + stream_id,))
+        if await self.shared.push(RECORD_PREFIX + stream_id + ":tokens", token_ids,
+                                  self.record_ttl, touch=(RECORD_PREFIX + stream_id,)):
+            return True
+        await self.shared.delete(RECORD_PREFIX + stream_id)
+        return False
 
     async def load_record(self, stream_id: str) -> tuple[dict, list[int]] | None:
         """A stream's recorded request and every token id recorded, or None."""

@@ -141,6 +141,9 @@ def test_responses_background_retrieve_and_resume_the_stream(server) -> None:
     assert [e.sequence_number for e in whole] == list(range(len(whole)))
     assert whole[-1].type in ("response.completed", "response.incomplete")
     text = "".join(e.delta for e in whole if e.type == "response.output_text.delta")
+    for bad in ("--1", "-2", "x"):  # refused, not a 500 or a broken replay
+        with pytest.raises(openai.BadRequestError, match="starting_after"):
+            list(c.responses.retrieve(b.id, stream=True, extra_query={"starting_after": bad}))
     # a client that dropped after event 5 picks up at 6, whatever replica state is left
     rest = list(c.responses.retrieve(b.id, stream=True, starting_after=5))
     assert rest[0].sequence_number == 6 and [e.type for e in rest] == [e.type for e in whole[6:]]
@@ -354,6 +357,15 @@ def test_websocket_mode_through_the_sdk(server) -> None:
         conn.send({"type": "response.nope"})
         (err,) = _until_end(conn)
         assert err.type == "error" and err.status == 400
+        for bad in ({"type": "response.resume", "response_id": events[-1].response.id,
+                     "starting_after": -50},
+                    {"type": "response.create", "model": MODEL, "input": "Hi",
+                     "stream_id": ["not", "a", "string"]},
+                    {"type": "response.create", "model": MODEL, "input": "Hi",
+                     "generate": "no"}):
+            conn.send(bad)
+            (err,) = _until_end(conn)
+            assert err.type == "error" and err.status == 400, err
         conn.send({"type": "response.create", "model": MODEL, "input": "Hi",
                    "max_output_tokens": 2})
         assert _until_end(conn)[-1].type == "response.incomplete"
@@ -420,3 +432,12 @@ def test_responses_are_shared_by_replicas_on_one_redis(tiny_chat_model, redis_se
         with pytest.raises(openai.NotFoundError):
             ca.responses.retrieve(first.id)
         assert ca.responses.retrieve(second.id).id == second.id  # (B's, shared with A)
+        # a follower (not the driving connection) gets the last event though the run is
+        # shared before it goes out: a background stream, and the WebSocket mode
+        events = list(ca.responses.create(model=MODEL, input="Hi", max_output_tokens=6,
+                                          stream=True, background=True))
+        assert events[-1].type == "response.incomplete"
+        with ca.responses.connect() as conn:
+            conn.send({"type": "response.create", "model": MODEL, "input": "Hi",
+                       "max_output_tokens": 6})
+            assert _until_end(conn)[-1].type == "response.incomplete"

@@ -118,6 +118,9 @@ def test_a_dropped_stream_is_replayed_and_continued(server) -> None:
     assert [int(e["id"].split(":")[0]) for e in after] == list(range(4, 4 + len(after)))
     assert content(before) + content(after) == whole
     assert [e["data"] for e in after].count("[DONE]") == 1
+    for bad in ("--1", "3:x", "\u00b2"):  # refused as bad input
+        with stream("GET", f"{url}/{cid}/events", None, {"Last-Event-ID": bad}) as r:
+            assert r.status == 400
     # ended and replayable for the grace period: from any point, again
     with stream("GET", f"{url}/{cid}/events?after=10") as r:
         assert content(read(r)) == content((before + after)[11:])
