@@ -55,7 +55,7 @@ def test_js_sdk_node_suite(server, failover_url) -> None:
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert "# fail 0" in out.stdout or "ℹ fail 0" in out.stdout, out.stdout[-3000:]
-    assert "pass 11" in out.stdout, out.stdout[-3000:]  # every test ran
+    assert "pass 13" in out.stdout, out.stdout[-3000:]  # every test ran
     eng = server.engine
     deadline = time.monotonic() + 10
     while eng.has_unfinished() and time.monotonic() < deadline:

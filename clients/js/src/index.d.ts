@@ -269,3 +269,21 @@ export declare function errorFromFrame(frame: {
   retryable?: boolean;
   retry_after?: number;
 }): APIError;
+
+/** Options of streamChat / streamCompletion: the request's fields, plus these. */
+export interface ResumableOptions {
+  apiKey?: string;
+  /** reconnects after drops before APIConnectionError (default 10) */
+  maxReconnects?: number;
+  /** the fetch to use (default: the global one) */
+  fetch?: typeof fetch;
+  [field: string]: unknown;
+}
+
+/** A streamed chat completion over HTTP, resumed across dropped connections
+ * (Last-Event-ID); yields OpenAI's chunk objects. */
+export function streamChat(baseUrl: string, messages: Message[],
+                           options?: ResumableOptions): AsyncGenerator<Record<string, any>>;
+/** The same for a text completion. */
+export function streamCompletion(baseUrl: string, prompt: string | number[],
+                                 options?: ResumableOptions): AsyncGenerator<Record<string, any>>;

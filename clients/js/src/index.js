@@ -531,4 +531,117 @@ function toData(data) {
   return data instanceof ArrayBuffer ? new Uint8Array(data) : data;
 }
 
+// -- the HTTP API, resumed across drops --------------------------------------------------
+
+/**
+ * The chunks of a streamed `POST {baseUrl}/chat/completions` (OpenAI's chunk objects)
+ * that opts in to resuming (`X-Tidewire-Resume: 1`): when the connection drops before
+ * `[DONE]`, it reconnects to `GET .../{id}/events` with the last event's id as
+ * `Last-Event-ID` and goes on where it was (the same server kept it running; behind a
+ * balancer with the Redis tier, another replica continues it). `options`: `apiKey`,
+ * `maxReconnects` (10), `fetch` (the global one by default), and the request's fields.
+ */
+export function streamChat(baseUrl, messages, options = {}) {
+  const { apiKey, maxReconnects, fetch: f, ...params } = options;
+  return resumableStream(baseUrl, "chat/completions", { ...params, messages, stream: true },
+                         { apiKey, maxReconnects, f });
+}
+
+/** The same for `POST {baseUrl}/completions`. */
+export function streamCompletion(baseUrl, prompt, options = {}) {
+  const { apiKey, maxReconnects, fetch: f, ...params } = options;
+  return resumableStream(baseUrl, "completions", { ...params, prompt, stream: true },
+                         { apiKey, maxReconnects, f });
+}
+
+async function* resumableStream(baseUrl, path, body, { apiKey, maxReconnects = 10, f }) {
+  const fetchFn = f ?? globalThis.fetch;
+  const base = `${baseUrl.replace(/\/+$/, "")}/${path}`;
+  const headers = { "content-type": "application/json", accept: "text/event-stream",
+                    "x-tidewire-resume": "1" };
+  if (apiKey) headers.authorization = `Bearer ${apiKey}`;
+  let streamId = null;
+  let lastEventId = null;
+  let retry = 500;
+  let reconnects = 0;
+  let res;
+  try {
+    res = await fetchFn(base, { method: "POST", headers, body: JSON.stringify(body) });
+  } catch (e) {
+    throw new APIConnectionError(`the request could not be sent: ${e}`);
+  }
+  for (;;) {
+    if (!res.ok) throw await httpError(res);
+    let cause;
+    try {
+      for await (const ev of sseEvents(res.body)) {
+        if (ev.id !== undefined) lastEventId = ev.id;
+        if (ev.retry !== undefined) retry = ev.retry;
+        if (ev.data === undefined) continue;
+        if (ev.data === "[DONE]") return;
+        const chunk = JSON.parse(ev.data);
+        if (chunk.error && !chunk.choices) throw errorFromFrame(chunk.error);
+        streamId ??= chunk.id;
+        yield chunk;
+      }
+      cause = new Error("the stream ended before [DONE]");
+    } catch (e) {
+      if (e instanceof TidewireError) throw e;
+      cause = e;
+    }
+    if (streamId === null || lastEventId === null) {
+      throw new APIConnectionError(`the stream dropped before its first event: ${cause}`);
+    }
+    for (;;) {
+      if (++reconnects > maxReconnects) {
+        throw new APIConnectionError(`the stream dropped ${maxReconnects} times; giving up: ${cause}`);
+      }
+      await new Promise((resolve) => setTimeout(resolve, retry));
+      try {
+        res = await fetchFn(`${base}/${streamId}/events`,
+                            { headers: { ...headers, "last-event-id": lastEventId } });
+        break;
+      } catch (e) {
+        cause = e;
+      }
+    }
+  }
+}
+
+/** The events of a server-sent event body: {data, id, retry} (fields as given). */
+async function* sseEvents(body) {
+  const decoder = new TextDecoder();
+  let buffer = "";
+  let ev = {};
+  for await (const bytes of body) {
+    buffer += decoder.decode(bytes, { stream: true });
+    let at;
+    while ((at = buffer.indexOf("\n")) >= 0) {
+      const line = buffer.slice(0, at).replace(/\r$/, "");
+      buffer = buffer.slice(at + 1);
+      if (line === "") {
+        if (Object.keys(ev).length) yield ev;
+        ev = {};
+        continue;
+      }
+      const colon = line.indexOf(":");
+      const name = colon < 0 ? line : line.slice(0, colon);
+      const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+      if (name === "data") ev.data = ev.data === undefined ? value : `${ev.data}\n${value}`;
+      else if (name === "id") ev.id = value;
+      else if (name === "retry" && /^\d+$/.test(value)) ev.retry = Number(value);
+    }
+  }
+}
+
+async function httpError(res) {
+  let err = {};
+  try {
+    err = (await res.json()).error ?? {};
+  } catch {
+    // not JSON: the status says it
+  }
+  return errorFromFrame({ code: err.code ?? `http_${res.status}`, message: err.message ?? res.statusText });
+}
+
 export default TidewireClient;
