@@ -558,3 +558,35 @@ async def test_connection_status_reconnect_and_resume(server) -> None:
             p.check()
     finally:
         await proxy.close()
+
+
+async def test_where_websockets_are_blocked_the_page_answers_over_http(server) -> None:
+    """A network that lets HTTP through but not the WebSocket upgrade: after the socket
+    fails three times the page says "connected over HTTP" and answers stream over
+    resumable SSE (the SDK's streamChat: X-Tidewire-Resume, picked up by Last-Event-ID)."""
+    async with browser() as b:
+        page = await b.new_page(viewport=DESKTOP)
+        p = Page(page)
+        refused = []
+
+        async def refuse(ws) -> None:  # noqa: ANN001 - a playwright WebSocketRoute
+            refused.append(ws.url)
+            await ws.close(code=4000)
+        await page.route_web_socket(re.compile(r"/v1/ws(\?|$)"), refuse)
+        posts = []
+        page.on("request", lambda r: posts.append(r.headers) if r.method == "POST"
+                and r.url.endswith("/v1/chat/completions") else None)
+        await page.goto(f"{server.url}/")
+        await page.wait_for_selector("#status[data-conn='http']", timeout=30_000)
+        assert "over HTTP" in (await page.text_content("#status") or "")
+        assert len(refused) >= 3
+        await page.fill("#temperature", "0")
+        await page.fill("#max-tokens", "12")
+        await page.fill("#input", "Hello!")
+        await page.press("#input", "Enter")
+        await page.wait_for_selector(".msg.assistant[data-state='completed']", timeout=30_000)
+        answer = await page.text_content(ANSWER) or ""
+        stats = await page.text_content(".msg.assistant .stats") or ""
+        assert answer.strip() and re.fullmatch(r"\d+ tokens · over HTTP", stats), (answer, stats)
+        assert posts and posts[-1].get("x-tidewire-resume") == "1"
+        assert not p.errors, p.errors

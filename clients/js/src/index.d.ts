@@ -277,6 +277,8 @@ export interface ResumableOptions {
   maxReconnects?: number;
   /** the fetch to use (default: the global one) */
   fetch?: typeof fetch;
+  /** aborting it ends the iteration quietly */
+  signal?: AbortSignal;
   [field: string]: unknown;
 }
 

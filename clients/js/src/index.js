@@ -539,22 +539,23 @@ function toData(data) {
  * `[DONE]`, it reconnects to `GET .../{id}/events` with the last event's id as
  * `Last-Event-ID` and goes on where it was (the same server kept it running; behind a
  * balancer with the Redis tier, another replica continues it). `options`: `apiKey`,
- * `maxReconnects` (10), `fetch` (the global one by default), and the request's fields.
+ * `maxReconnects` (10), `fetch` (the global one by default), `signal` (an AbortSignal:
+ * the iteration ends quietly), and the request's fields.
  */
 export function streamChat(baseUrl, messages, options = {}) {
-  const { apiKey, maxReconnects, fetch: f, ...params } = options;
+  const { apiKey, maxReconnects, fetch: f, signal, ...params } = options;
   return resumableStream(baseUrl, "chat/completions", { ...params, messages, stream: true },
-                         { apiKey, maxReconnects, f });
+                         { apiKey, maxReconnects, f, signal });
 }
 
 /** The same for `POST {baseUrl}/completions`. */
 export function streamCompletion(baseUrl, prompt, options = {}) {
-  const { apiKey, maxReconnects, fetch: f, ...params } = options;
+  const { apiKey, maxReconnects, fetch: f, signal, ...params } = options;
   return resumableStream(baseUrl, "completions", { ...params, prompt, stream: true },
-                         { apiKey, maxReconnects, f });
+                         { apiKey, maxReconnects, f, signal });
 }
 
-async function* resumableStream(baseUrl, path, body, { apiKey, maxReconnects = 10, f }) {
+async function* resumableStream(baseUrl, path, body, { apiKey, maxReconnects = 10, f, signal }) {
   const fetchFn = f ?? globalThis.fetch;
   const base = `${baseUrl.replace(/\/+$/, "")}/${path}`;
   const headers = { "content-type": "application/json", accept: "text/event-stream",
@@ -566,8 +567,9 @@ async function* resumableStream(baseUrl, path, body, { apiKey, maxReconnects = 1
   let reconnects = 0;
   let res;
   try {
-    res = await fetchFn(base, { method: "POST", headers, body: JSON.stringify(body) });
+    res = await fetchFn(base, { method: "POST", headers, body: JSON.stringify(body), signal });
   } catch (e) {
+    if (signal?.aborted) return;
     throw new APIConnectionError(`the request could not be sent: ${e}`);
   }
   for (;;) {
@@ -587,6 +589,7 @@ async function* resumableStream(baseUrl, path, body, { apiKey, maxReconnects = 1
       cause = new Error("the stream ended before [DONE]");
     } catch (e) {
       if (e instanceof TidewireError) throw e;
+      if (signal?.aborted) return;
       cause = e;
     }
     if (streamId === null || lastEventId === null) {
@@ -597,11 +600,13 @@ async function* resumableStream(baseUrl, path, body, { apiKey, maxReconnects = 1
         throw new APIConnectionError(`the stream dropped ${maxReconnects} times; giving up: ${cause}`);
       }
       await new Promise((resolve) => setTimeout(resolve, retry));
+      if (signal?.aborted) return;
       try {
         res = await fetchFn(`${base}/${streamId}/events`,
-                            { headers: { ...headers, "last-event-id": lastEventId } });
+                            { headers: { ...headers, "last-event-id": lastEventId }, signal });
         break;
       } catch (e) {
+        if (signal?.aborted) return;
         cause = e;
       }
     }
