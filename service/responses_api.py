@@ -48,7 +48,7 @@ from service.chat_turn import CallArguments, CallStart, ReasoningDelta, TextDelt
 from service.gateway import Gateway, Principal
 from service.openai_api import HTTP_STATUS, error_json, error_response
 from service.origins import origin_allowed
-from service.protocol import ProtocolError
+from service.protocol import MAX_MESSAGES, ProtocolError
 from service.reasoning import ThinkOptions
 from service.shared_state import SharedState, shared_state_of
 from service.sse_resume import follow_events
@@ -109,8 +109,8 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     function_call_output -> tool messages)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise _bad("input must be a string or a non-empty list of items")
+    if not isinstance(value, list) or not value or len(value) > MAX_MESSAGES:
+        raise _bad(f"input must be a string or a list of 1-{MAX_MESSAGES} items")
     out: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
@@ -811,8 +811,14 @@ class ResponseSocket:
 
     async def serve(self) -> None:
         try:
+            limit = self.gw.config.limits.max_message_bytes
             while True:
                 raw = await self.ws.receive_text()
+                if len(raw) > limit:  # (characters: at least as many bytes)
+                    await self.send(_socket_error(413, ProtocolError(
+                        "message_too_big", f"a message is at most {limit} bytes "
+                        "(--max-message-bytes)")))
+                    continue
                 try:
                     msg = json.loads(raw)
                 except (ValueError, RecursionError):

@@ -171,6 +171,7 @@ def test_responses_cancel_and_delete(server) -> None:
 
 @pytest.mark.parametrize("extra, message", [
     ({"input": []}, "input must be"),
+    ({"input": [{"role": "user", "content": "x"}] * 1025}, "1-1024 items"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "not supported"),
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
@@ -357,6 +358,10 @@ def test_websocket_mode_through_the_sdk(server) -> None:
         conn.send({"type": "response.nope"})
         (err,) = _until_end(conn)
         assert err.type == "error" and err.status == 400
+        limit = server.gateway.config.limits.max_message_bytes
+        conn.send({"type": "response.create", "model": MODEL, "input": "x" * limit})
+        (err,) = _until_end(conn)
+        assert err.type == "error" and err.status == 413 and err.error.code == "message_too_big"
         for bad in ({"type": "response.resume", "response_id": events[-1].response.id,
                      "starting_after": -50},
                     {"type": "response.create", "model": MODEL, "input": "Hi",
