@@ -46,7 +46,7 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 # fuzzer (make fuzz), Redis chaos and SIGTERM under load (make chaos), the replicas
 # behind HAProxy (make scale-out); `pytest` with no arguments runs them all
 LONG    := tests/adversarial/test_hostile_fields.py tests/chaos/test_redis_chaos.py \
-           tests/chaos/test_sigterm.py tests/test_scale_out.py
+           tests/chaos/test_sigterm.py tests/test_scale_out.py tests/test_replicas_resume.py
 test: install
 	TIDEWIRE_SOAK_BACKGROUND=180 $(VPY) -m pytest -rs --durations=15 $(addprefix --ignore=,$(LONG))
 
@@ -75,10 +75,12 @@ chaos: install
 families: install
 	TIDEWIRE_FAMILY_MATRIX=1 $(VPY) -m pytest -rs tests/test_families.py tests/test_gguf_families.py
 
-# replicas behind HAProxy on the default model, with the cross-replica prefix timing
-# (`pytest` with no arguments runs the topology on a tiny model; make test leaves it out)
+# replicas behind HAProxy on the default model, with the cross-replica prefix timing, and
+# streams and stored responses continued across replicas on one Redis (`pytest` with no
+# arguments runs both on a tiny model; make test leaves them out)
 scale-out: install
-	TIDEWIRE_SCALE_OUT_FULL=1 $(VPY) -m pytest -rs -s tests/test_scale_out.py
+	TIDEWIRE_SCALE_OUT_FULL=1 $(VPY) -m pytest -rs -s tests/test_scale_out.py \
+		tests/test_replicas_resume.py
 
 # the soak: every socket role against a real server for 30 minutes (make test: 180 s,
 # beside the other tests)

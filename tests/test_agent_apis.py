@@ -410,39 +410,3 @@ async def test_websocket_mode_resumes_after_a_dropped_socket(server) -> None:
     text = "".join(e.get("delta", "") for e in got if e["type"] == "response.output_text.delta")
     assert text == "".join(e.get("delta", "") for e in whole
                            if e["type"] == "response.output_text.delta")
-
-
-def test_responses_are_shared_by_replicas_on_one_redis(tiny_chat_model, redis_server) -> None:
-    """Two replicas on one Redis (--kv-tier redis): a response stored on A is continued
-    (previous_response_id), retrieved and replayed on B, event for event; deleted on B,
-    it is gone on A too."""
-    from engine.config import TierConfig
-
-    config = ServiceConfig(engine=EngineConfig(model=str(tiny_chat_model), dtype="float32",
-                                               tier=TierConfig("redis", redis_server.url)),
-                           model_name=MODEL)
-    with run_server(config) as a, run_server(config) as b:
-        ca, cb = oai(a), oai(b)
-        first = ca.responses.create(model=MODEL, input="My name is Ada.", max_output_tokens=4)
-        second = cb.responses.create(model=MODEL, input="What is my name?",
-                                     previous_response_id=first.id, max_output_tokens=4)
-        alone = cb.responses.create(model=MODEL, input="What is my name?", store=False,
-                                    max_output_tokens=1)
-        assert second.usage.input_tokens > alone.usage.input_tokens + 5  # A's turn came along
-        assert cb.responses.retrieve(first.id).output_text == first.output_text
-        on_a = [e.model_dump() for e in ca.responses.retrieve(first.id, stream=True)]
-        on_b = [e.model_dump() for e in cb.responses.retrieve(first.id, stream=True)]
-        assert on_a == on_b and on_b[-1]["type"] == "response.incomplete"
-        cb.responses.delete(first.id)
-        with pytest.raises(openai.NotFoundError):
-            ca.responses.retrieve(first.id)
-        assert ca.responses.retrieve(second.id).id == second.id  # (B's, shared with A)
-        # a follower (not the driving connection) gets the last event though the run is
-        # shared before it goes out: a background stream, and the WebSocket mode
-        events = list(ca.responses.create(model=MODEL, input="Hi", max_output_tokens=6,
-                                          stream=True, background=True))
-        assert events[-1].type == "response.incomplete"
-        with ca.responses.connect() as conn:
-            conn.send({"type": "response.create", "model": MODEL, "input": "Hi",
-                       "max_output_tokens": 6})
-            assert _until_end(conn)[-1].type == "response.incomplete"

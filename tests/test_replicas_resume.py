@@ -1,0 +1,151 @@
+"""Streams and responses across replicas on one Redis (the KV tier's, which also holds
+what the replicas share: service/shared_state.py): a resumable chat stream dropped on
+one replica is continued by another from its record, with the uninterrupted run's text
+(raw client, and the Python SDK through the TCP cut-proxy); a stored Response is
+continued, retrieved, replayed and deleted on any replica. Two servers and a Redis per
+module: `make scale-out` runs this (with the replicas behind HAProxy), `make test`
+leaves it out for time; `pytest` with no arguments runs it."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from engine import EngineConfig
+from service.config import Limits, ServiceConfig
+from tests.servers import run_server
+from tests.test_agent_apis import _until_end, oai
+from tests.test_sse_resume import BODY, MESSAGES, content, read, stream
+
+TINY = "tiny"  # the replicas' model name
+
+SEEDED = {"temperature": 1.0, "top_p": 0.9, "seed": 7, "frequency_penalty": 0.5}
+
+
+def _replica_config(model, redis_url: str) -> ServiceConfig:  # noqa: ANN001 - a model dir
+    from engine.config import TierConfig
+
+    return ServiceConfig(engine=EngineConfig(model=str(model), dtype="float32",
+                                             tier=TierConfig("redis", redis_url)),
+                         model_name="tiny", limits=Limits(resume_grace=30.0))
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_chat_model):
+    """Two replicas on one Redis (the KV tier's, and the streams' records)."""
+    from tests.servers import RedisServer
+
+    redis = RedisServer().start()
+    try:
+        config = _replica_config(tiny_chat_model, redis.url)
+        with run_server(config) as a, run_server(config) as b:
+            yield a, b
+    finally:
+        redis.stop()
+
+
+def _continued(server) -> float:  # noqa: ANN001 - a RunningServer
+    return server.gateway.metrics.resumes.labels("continued")._value.get()
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
+def test_a_dropped_stream_continues_on_another_replica(replicas, sampling: dict) -> None:
+    """Two replicas on one Redis (the KV tier's): a stream that opted in on A records
+    its request and tokens there; its client drops after event 3 and reconnects to B
+    (which never saw it) with Last-Event-ID; B continues it from the tokens the client
+    had, and the text is the uninterrupted run's, one [DONE], ids continuing."""
+    body = {**BODY, **sampling}
+    a, b = replicas
+    path = "/v1/chat/completions"
+    with stream("POST", a.url + path, body) as r:
+        whole = content(read(r))
+    with stream("POST", a.url + path, body, {"X-Tidewire-Resume": "1"}) as r:
+        before = read(r, until_seq=3)
+    cid = json.loads(before[0]["data"])["id"]
+    continued = _continued(b)
+    with stream("GET", f"{b.url}{path}/{cid}/events", None,
+                {"Last-Event-ID": before[-1]["id"]}) as r:
+        assert r.status == 200
+        after = read(r)
+    assert _continued(b) == continued + 1  # B ran it, from the record
+    assert [int(e["id"].split(":")[0]) for e in after] == list(range(4, 4 + len(after)))
+    assert content(before) + content(after) == whole
+    assert [e["data"] for e in after].count("[DONE]") == 1
+    assert int(after[-2]["id"].split(":")[1]) == body["max_tokens"]
+    # a stream B cannot continue: no TOKENS in the id, or another id altogether
+    with stream("GET", f"{b.url}{path}/{cid}/events?after=3") as r:
+        assert r.status == 400
+    with stream("GET", f"{b.url}{path}/chatcmpl-nope/events?after=3:5") as r:
+        assert r.status == 404
+
+
+def test_the_python_sdk_resumes_through_a_cut_on_either_replica(replicas) -> None:
+    """tidewire_client.sse.stream_chat through the TCP cut-proxy: cut after 3 chunks, the
+    reconnect goes to the same replica (which kept the stream running), then a second
+    cut sends the next one to the other replica (which continues it from the Redis
+    record): the chunks' text is the uninterrupted run's, in order, once. Greedy: the
+    run must be long (A still generating at the second cut), and a seeded one that long
+    can part from the uninterrupted run where B's recomputed context rounds differently
+    from A's step-by-step one and a draw falls right on the boundary between two tokens
+    (seen once in ~900 tokens at temperature 1); seeded runs are compared on 60 tokens
+    above."""
+    from tests.chaos.proxy import ChaosProxy
+    from tidewire_client.sse import stream_chat
+
+    # long enough that A is still generating when its second connection is cut
+    params = {"model": "tiny", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
+    a, b = replicas
+    continued = _continued(b)
+
+    def port(s) -> int:  # noqa: ANN001 - a RunningServer
+        return int(s.url.rsplit(":", 1)[1])
+    whole = "".join(c["choices"][0]["delta"].get("content") or ""
+                    for c in stream_chat(a.url + "/v1", MESSAGES, **params))
+    proxy = ChaosProxy(port(a)).start()
+    proxy.targets = [("127.0.0.1", port(a))] * 2 + [("127.0.0.1", port(b))]
+    try:
+        chunks = stream_chat(f"http://127.0.0.1:{proxy.port}/v1", MESSAGES, **params)
+        text, n = "", 0
+        for c in chunks:
+            text += c["choices"][0]["delta"].get("content") or "" if c["choices"] else ""
+            n += 1
+            if n in (3, 4):  # on A, then on A again: its second connection's first event
+                proxy.cut()
+    finally:
+        proxy.stop()
+    assert proxy.accepted == 3  # the POST, the reconnect to A, the one to B
+    assert text == whole
+    assert _continued(b) == continued + 1
+
+
+def test_responses_are_shared_by_replicas_on_one_redis(replicas) -> None:
+    """Two replicas on one Redis (--kv-tier redis): a response stored on A is continued
+    (previous_response_id), retrieved and replayed on B, event for event; deleted on B,
+    it is gone on A too."""
+    a, b = replicas
+    ca, cb = oai(a), oai(b)
+    first = ca.responses.create(model=TINY, input="My name is Ada.", max_output_tokens=4)
+    second = cb.responses.create(model=TINY, input="What is my name?",
+                                 previous_response_id=first.id, max_output_tokens=4)
+    alone = cb.responses.create(model=TINY, input="What is my name?", store=False,
+                                max_output_tokens=1)
+    assert second.usage.input_tokens > alone.usage.input_tokens + 5  # A's turn came along
+    assert cb.responses.retrieve(first.id).output_text == first.output_text
+    on_a = [e.model_dump() for e in ca.responses.retrieve(first.id, stream=True)]
+    on_b = [e.model_dump() for e in cb.responses.retrieve(first.id, stream=True)]
+    assert on_a == on_b and on_b[-1]["type"] == "response.incomplete"
+    cb.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        ca.responses.retrieve(first.id)
+    assert ca.responses.retrieve(second.id).id == second.id  # (B's, shared with A)
+    # a follower (not the driving connection) gets the last event though the run is
+    # shared before it goes out: a background stream, and the WebSocket mode
+    events = list(ca.responses.create(model=TINY, input="Hi", max_output_tokens=6,
+                                      stream=True, background=True))
+    assert events[-1].type == "response.incomplete"
+    with ca.responses.connect() as conn:
+        conn.send({"type": "response.create", "model": TINY, "input": "Hi",
+                   "max_output_tokens": 6})
+        assert _until_end(conn)[-1].type == "response.incomplete"
