@@ -182,6 +182,23 @@ def sse_streams(request: Request) -> sse_resume.SseStreams:
     return state.sse_streams  # type: ignore[no-any-return]
 
 
+async def cancel_stream(request: Request) -> Response:
+    """DELETE /v1/chat/completions/{id}/events (and /v1/completions/...): stop a
+    resumable stream held here (a client that is done with it: no grace to wait out)."""
+    gw: Gateway = request.app.state.gateway
+    sid = request.path_params["id"]
+    try:
+        principal = gw.authenticate(request.headers.get("authorization"))
+    except ProtocolError as e:
+        return error_response(e)
+    streams = sse_streams(request)
+    s = streams.streams.get(sid)
+    if s is None or s.tenant != principal.tenant:
+        return error_json(404, "not_found", f"no resumable stream {sid!r} here")
+    streams.cancel(s)
+    return JSONResponse({"id": sid, "cancelled": True})
+
+
 async def stream_events(request: Request) -> Response:
     """GET /v1/chat/completions/{id}/events (and /v1/completions/...): a resumable
     stream's events after Last-Event-ID (or ?after=), then the rest as they come; a

@@ -180,6 +180,10 @@ class SseStreams:
         self.detached -= 1
         self._stop(s)
 
+    def cancel(self, s: SseStream) -> None:
+        """Stop a stream now (its client says it is done with it), followed or not."""
+        self._stop(s)
+
     def _stop(self, s: SseStream) -> None:
         if s.task is not None and not s.task.done():
             s.task.cancel()  # closes the endpoint's generator: the request is aborted

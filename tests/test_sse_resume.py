@@ -191,3 +191,30 @@ async def test_chromium_eventsource_resumes_through_a_cut(server) -> None:
         proxy.stop()
     assert proxy.cuts >= 1 and got["errors"] >= 1  # it did drop, and came back
     assert got["text"] == whole and got["done"] == 1
+
+
+def test_a_client_done_early_stops_the_stream_at_once(server) -> None:
+    """DELETE .../{id}/events stops an opted-in stream now (no grace to wait out); the
+    Python SDK sends it when its iteration is closed before [DONE]."""
+    from tidewire_client.sse import stream_chat
+
+    url = server.url + "/v1/chat/completions"
+    aborted = server.gateway.metrics.requests.labels("abort")
+    before = aborted._value.get()
+    with stream("POST", url, {**BODY, "max_tokens": 900}, {"X-Tidewire-Resume": "1"}) as r:
+        events = read(r, until_seq=2)
+    cid = json.loads(events[0]["data"])["id"]
+    with stream("DELETE", f"{url}/{cid}/events") as r:
+        assert r.status == 200 and json.loads(r.read()) == {"id": cid, "cancelled": True}
+    wait_idle(server, "the DELETE stopped it")  # (well inside the 30 s grace)
+    assert aborted._value.get() == before + 1
+    with stream("DELETE", f"{url}/chatcmpl-nope/events") as r:
+        assert r.status == 404
+    chunks = stream_chat(server.url + "/v1", MESSAGES, model="tiny", max_tokens=900,
+                         ignore_eos=True)
+    for n, _ in enumerate(chunks):
+        if n == 2:
+            break
+    chunks.close()  # (what leaving the loop does once the generator is collected)
+    wait_idle(server, "the SDK's DELETE stopped it")
+    assert aborted._value.get() == before + 2

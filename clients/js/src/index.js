@@ -572,43 +572,58 @@ async function* resumableStream(baseUrl, path, body, { apiKey, maxReconnects = 1
     if (signal?.aborted) return;
     throw new APIConnectionError(`the request could not be sent: ${e}`);
   }
-  for (;;) {
-    if (!res.ok) throw await httpError(res);
-    let cause;
-    try {
-      for await (const ev of sseEvents(res.body)) {
-        if (ev.id !== undefined) lastEventId = ev.id;
-        if (ev.retry !== undefined) retry = ev.retry;
-        if (ev.data === undefined) continue;
-        if (ev.data === "[DONE]") return;
-        const chunk = JSON.parse(ev.data);
-        if (chunk.error && !chunk.choices) throw errorFromFrame(chunk.error);
-        streamId ??= chunk.id;
-        yield chunk;
-      }
-      cause = new Error("the stream ended before [DONE]");
-    } catch (e) {
-      if (e instanceof TidewireError) throw e;
-      if (signal?.aborted) return;
-      cause = e;
-    }
-    if (streamId === null || lastEventId === null) {
-      throw new APIConnectionError(`the stream dropped before its first event: ${cause}`);
-    }
+  let finished = false;
+  try {
     for (;;) {
-      if (++reconnects > maxReconnects) {
-        throw new APIConnectionError(`the stream dropped ${maxReconnects} times; giving up: ${cause}`);
-      }
-      await new Promise((resolve) => setTimeout(resolve, retry));
-      if (signal?.aborted) return;
+      if (!res.ok) throw await httpError(res);
+      let cause;
       try {
-        res = await fetchFn(`${base}/${streamId}/events`,
-                            { headers: { ...headers, "last-event-id": lastEventId }, signal });
-        break;
+        for await (const ev of sseEvents(res.body)) {
+          if (ev.id !== undefined) lastEventId = ev.id;
+          if (ev.retry !== undefined) retry = ev.retry;
+          if (ev.data === undefined) continue;
+          if (ev.data === "[DONE]") {
+            finished = true;
+            return;
+          }
+          const chunk = JSON.parse(ev.data);
+          if (chunk.error && !chunk.choices) {
+            finished = true;
+            throw errorFromFrame(chunk.error);
+          }
+          streamId ??= chunk.id;
+          yield chunk;
+        }
+        cause = new Error("the stream ended before [DONE]");
       } catch (e) {
+        if (e instanceof TidewireError) throw e;
         if (signal?.aborted) return;
         cause = e;
       }
+      if (streamId === null || lastEventId === null) {
+        throw new APIConnectionError(`the stream dropped before its first event: ${cause}`);
+      }
+      for (;;) {
+        if (++reconnects > maxReconnects) {
+          throw new APIConnectionError(`the stream dropped ${maxReconnects} times; giving up: ${cause}`);
+        }
+        await new Promise((resolve) => setTimeout(resolve, retry));
+        if (signal?.aborted) return;
+        try {
+          res = await fetchFn(`${base}/${streamId}/events`,
+                              { headers: { ...headers, "last-event-id": lastEventId }, signal });
+          break;
+        } catch (e) {
+          if (signal?.aborted) return;
+          cause = e;
+        }
+      }
+    }
+  } finally {
+    // left before its end (aborted, or the caller stopped iterating): the server would
+    // run it on for its grace; say it is not wanted (best effort)
+    if (!finished && streamId !== null) {
+      fetchFn(`${base}/${streamId}/events`, { method: "DELETE", headers }).catch(() => {});
     }
   }
 }

@@ -74,19 +74,38 @@ class _Resumable:
         except _DROPPED as e:
             conn.close()
             raise APIConnectionError(f"the request could not be sent: {e!r}") from e
+        finished = False
         try:
             while True:
                 try:
                     if response.status != 200:
+                        finished = True
                         raise _error(response)
                     for chunk in self._events(response):
                         if chunk is None:
+                            finished = True
                             return
                         yield chunk
                     raise ConnectionResetError("the stream ended before [DONE]")
                 except _DROPPED as e:
                     conn.close()
                     conn, response = self._reconnect(e)
+        finally:
+            conn.close()
+            if not finished and self.stream_id is not None:
+                self._cancel()
+
+    def _cancel(self) -> None:
+        """Left before its end (the caller stopped iterating, or gave up): the server
+        would run the stream on for its grace; say it is not wanted (best effort)."""
+        conn = self._connection()
+        conn.timeout = min(self.timeout, 5.0)
+        try:
+            conn.request("DELETE", f"{self.prefix}/{self.path}/{self.stream_id}/events",
+                         headers=self.headers)
+            conn.getresponse().read()
+        except _DROPPED:
+            pass
         finally:
             conn.close()
 
