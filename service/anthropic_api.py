@@ -41,7 +41,7 @@ from service.chat_turn import CallArguments, CallStart, ReasoningDelta, TextDelt
 from service.gateway import Gateway
 from service.openai_api import HTTP_STATUS
 from service.protocol import ProtocolError
-from service.reasoning import ThinkOptions
+from service.reasoning import MAX_BUDGET, ThinkOptions
 
 # request fields: those read below, and those accepted and left alone
 FIELDS = {"model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p",
@@ -182,8 +182,9 @@ def think_of(body: dict[str, Any]) -> ThinkOptions:
     if kind in ("adaptive", "between_tools"):
         return ThinkOptions({"enable_thinking": True})
     budget = thinking.get("budget_tokens") if kind == "enabled" else None
-    if kind != "enabled" or not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
-        raise _bad('thinking must be {"type": "enabled", "budget_tokens": N}, '
+    if kind != "enabled" or not isinstance(budget, int) or isinstance(budget, bool) \
+            or not 1 <= budget <= MAX_BUDGET:
+        raise _bad(f'thinking must be {{"type": "enabled", "budget_tokens": 1..{MAX_BUDGET}}}, '
                    '{"type": "adaptive"}, {"type": "between_tools"} or {"type": "disabled"}')
     return ThinkOptions({"enable_thinking": True}, budget)
 

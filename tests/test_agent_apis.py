@@ -261,6 +261,8 @@ def test_messages_stop_sequences_and_output_format(server) -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
      anthropic.BadRequestError, "not supported"),
     ({"thinking": {"type": "sideways"}}, anthropic.BadRequestError, "thinking must be"),
+    ({"thinking": {"type": "enabled", "budget_tokens": (1 << 20) + 1}},
+     anthropic.BadRequestError, "thinking must be"),
 ])
 def test_messages_errors_in_anthropic_shape(server, extra: dict, error: type,
                                             message: str) -> None:
