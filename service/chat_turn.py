@@ -71,16 +71,22 @@ class Outcome:
     failure: ProtocolError | None = None
 
 
-async def admit(gw: Gateway, principal: Principal, turn: Turn) -> TurnStream:
+async def admit(gw: Gateway, principal: Principal, turn: Turn,
+                continued: list[int] | None = None) -> TurnStream:
     """Admit the turn (or raise ProtocolError): its tools' constraint and its format
-    compiled first, its prompt rendered by the model's chat template."""
+    compiled first, its prompt rendered by the model's chat template. `continued`: the
+    output token ids another replica had already turned into events (a tool-less turn
+    continued here): the request goes on from them, and its stream yields only what
+    follows."""
     if turn.params.n != 1:
         raise ProtocolError("invalid_request", "this API generates one answer a request")
     tools = tool_calls.for_model(turn.tools, gw.engine.tokenizer)
     params = gw.think.engine_params(with_tool_constraint(turn.params, tools), turn.think)
     await compile_constraint(gw, principal, params)
+    if continued is not None and tools is not None:
+        raise ProtocolError("invalid_request", "a turn with tools is not continued elsewhere")
     jobs = await submit_all(gw, principal, params, {"messages": turn.messages}, True, tools,
-                            turn.think)
+                            turn.think, continued)
     return TurnStream(gw, jobs[0], tools)
 
 
@@ -112,6 +118,19 @@ class TurnStream:
             end_all(self.gw, [self.job])
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        async for batch in self.batches():
+            for event in batch:
+                yield event
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output token ids so far (all of them: what was continued, too)."""
+        last = self.job.last
+        return list(last.outputs[0].token_ids) if last is not None else []
+
+    async def batches(self) -> AsyncIterator[list[Event]]:
+        """The events each engine output brings, as one list (maybe empty): after a
+        list, `output_token_ids` are exactly the tokens those events came from."""
         job, gw = self.job, self.gw
         try:
             async for _, last in outputs([job]):
@@ -125,11 +144,12 @@ class TurnStream:
                                                      done is not None)
                     if job.think.samples[0].splitter.thinking:
                         self.reasoning_tokens += len(last.new_token_ids)
+                batch: list[Event] = []
                 if reasoning:
                     self._reasoning.append(reasoning)
-                    yield ReasoningDelta(reasoning)
-                for event in self._answer(text, done is not None):
-                    yield event
+                    batch.append(ReasoningDelta(reasoning))
+                batch += self._answer(text, done is not None)
+                yield batch
             self._end()
         finally:
             self.close()

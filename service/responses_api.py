@@ -23,7 +23,11 @@ process, RESPONSE_TTL seconds after they end and MAX_STORED at most, the oldest 
 first: `previous_response_id` continues the conversation from one (its input and
 output before the new input), and `background: true` (with `store`) answers at once
 while the response runs on; GET polls it or follows its events, and cancel stops it.
-A response that is not background stops when its streaming client goes away."""
+A response that is not background stops when its streaming client goes away.
+
+With the Redis host tier, stored responses are shared there when they end, and while
+they run (tool-less ones) a live record lets another replica follow them, and take them
+over when their replica dies (LiveRecord; docs/http.md)."""
 
 from __future__ import annotations
 
@@ -235,6 +239,8 @@ class Run:
     followers: int = 0
     store: ResponseStore | None = None  # where it is stored (None: nowhere)
     size: int = 0  # bytes of its events and conversation, once ended
+    live: LiveRecord | None = None  # its record in the shared state while it runs
+    shown: int = -1  # events its followers may have yet (-1: all; else the recorded ones)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -255,11 +261,18 @@ class Run:
 
     def emit_last(self, event: str) -> None:
         self.events.append(event)
+        if self.shown < 0:
+            self._wake.set()
+
+    def show(self) -> None:
+        """Its events so far are recorded: its followers may have them."""
+        self.shown = len(self.events)
         self._wake.set()
 
     def finish(self, last: str) -> None:
         """The last event in; the run is ended (and its size known)."""
         self.events.append(last)
+        self.shown = -1
         self.size = sum(map(len, self.events)) + len(json.dumps(self.conversation))
         self.ended_at = time.monotonic()
         self._wake.set()
@@ -269,8 +282,9 @@ class Run:
         end."""
         self.followers += 1
         try:
-            async for event in follow_events(self.events, lambda: self.ended, self._wake,
-                                             after):
+            async for event in follow_events(
+                    self.events, lambda: self.ended, self._wake, after,
+                    lambda: len(self.events) if self.shown < 0 else self.shown):
                 yield event
         finally:
             self.followers -= 1
@@ -334,6 +348,31 @@ class Writer:
     def _at(self, item: dict[str, Any]) -> dict[str, Any]:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
 
+    @classmethod
+    def replayed(cls, run: Run) -> Writer:
+        """A Writer that carries on where `run`'s events (recorded on another replica)
+        stop: its response's status and output rebuilt from them, the open item open."""
+        r, out = run.response, run.response["output"]
+        for raw in run.events:
+            e = json.loads(raw)
+            kind, at = e["type"], e.get("output_index")
+            if kind == "response.in_progress":
+                r["status"] = "in_progress"
+            elif kind == "response.output_item.added":
+                out.append(e["item"])
+            elif kind == "response.output_item.done":
+                out[at] = e["item"]
+            elif kind == "response.content_part.added":
+                out[at]["content"].append(e["part"])
+            elif kind in ("response.output_text.delta", "response.reasoning_text.delta"):
+                out[at]["content"][e["content_index"]]["text"] += e["delta"]
+            elif kind == "response.function_call_arguments.delta":
+                out[at]["arguments"] += e["delta"]
+        writer = cls(run)
+        if out and out[-1]["status"] == "in_progress":
+            writer.item = out[-1]
+        return writer
+
     def _add(self, item: dict[str, Any]) -> None:
         self.output.append(item)
         self.item = item
@@ -371,27 +410,34 @@ class Writer:
                                                "item": item})
 
 
-async def produce(gw: Gateway, run: Run) -> None:
-    """Run the turn to its end (a task: background, whole and WebSocket responses)."""
-    async for _ in steps(gw, run):
+async def produce(gw: Gateway, run: Run, writer: Writer | None = None) -> None:
+    """Run the turn to its end (a task: background, whole and WebSocket responses, and
+    those taken over from another replica, `writer` then carrying on its output)."""
+    async for _ in steps(gw, run, writer):
         pass
 
 
-async def steps(gw: Gateway, run: Run) -> AsyncGenerator[None, None]:
-    """Run the turn, writing the response's events and object, yielding after each of
-    the turn's events; end the run. A streamed HTTP response drives this itself (no
-    task between the engine's outputs and its connection); closing it early stops the
-    response (status cancelled)."""
+async def steps(gw: Gateway, run: Run, writer: Writer | None = None
+                ) -> AsyncGenerator[None, None]:
+    """Run the turn, writing the response's events and object, yielding after each
+    engine output's events (recorded first, when the run has a live record); end the
+    run. A streamed HTTP response drives this itself (no task between the engine's
+    outputs and its connection); closing it early stops the response (status
+    cancelled). `writer`: a run taken over, its start already written."""
     stream = run.stream
     assert stream is not None
     r = run.response
-    run.emit("response.created", {"response": _snapshot(r)})
-    r["status"] = "in_progress"
-    run.emit("response.in_progress", {"response": _snapshot(r)})
-    writer = Writer(run)
+    if writer is None:
+        run.emit("response.created", {"response": _snapshot(r)})
+        r["status"] = "in_progress"
+        run.emit("response.in_progress", {"response": _snapshot(r)})
+        writer = Writer(run)
     try:
-        async for event in stream:
-            writer.add(event)
+        async for batch in stream.batches():
+            for event in batch:
+                writer.add(event)
+            if run.live is not None:
+                await run.live.step(run, stream)
             yield
         o = stream.outcome
         if run.cancelled:
@@ -422,7 +468,7 @@ async def steps(gw: Gateway, run: Run) -> AsyncGenerator[None, None]:
         r["status"] = "cancelled"
         run.finish(_end(run))
         if run.store is not None:  # (no await here: shared when it can be)
-            _keep(asyncio.get_running_loop().create_task(run.store.publish(run)))
+            _keep(asyncio.get_running_loop().create_task(_published(run)))
         raise
     stream.close()
     last = _end(run)
@@ -430,6 +476,15 @@ async def steps(gw: Gateway, run: Run) -> AsyncGenerator[None, None]:
     if run.store is not None:
         await run.store.publish(run, last)
     run.finish(last)
+    if run.live is not None:
+        await run.live.close()
+
+
+async def _published(run: Run) -> None:
+    assert run.store is not None
+    await run.store.publish(run)
+    if run.live is not None:
+        await run.live.close()
 
 
 _BACKGROUND: set[asyncio.Task[None]] = set()  # fire-and-forget tasks, referenced till done
@@ -468,6 +523,101 @@ def _snapshot(response: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(response))  # (an event carries the object as it was then)
 
 
+LIVE_PREFIX = "tidewire:resp-live:"  # a stored response's live record while it runs
+ALIVE_TTL = 3  # seconds the owner's heartbeat lasts: past it, another replica may take over
+BEAT_EVERY = 1.0  # seconds between heartbeats
+FOLLOW_POLL = 0.1  # seconds between a cross-replica follower's reads of the record
+LIVE_TTL = 600  # seconds a live record outlasts its last write
+
+# KEYS: owner, steps, request, alive. ARGV: me, step (JSON, or "" for a heartbeat), ttl,
+# alive ttl. Appends the step and renews the heartbeat only while `me` owns the record.
+_STEP = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' then redis.call('rpush', KEYS[2], ARGV[2]) end
+for i = 1, 3 do redis.call('expire', KEYS[i], ARGV[3]) end
+redis.call('set', KEYS[4], '1', 'EX', ARGV[4])
+return 1
+"""
+# KEYS: request, owner, alive. ARGV: request JSON, me, ttl, alive ttl.
+_OPEN = """
+redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[3])
+redis.call('set', KEYS[2], ARGV[2], 'EX', ARGV[3])
+redis.call('set', KEYS[3], '1', 'EX', ARGV[4])
+return 1
+"""
+# KEYS: owner, alive. ARGV: me, alive ttl. Takes a record whose owner's heartbeat stopped.
+_TAKE = """
+if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[1]) == 0 then return 0 end
+redis.call('set', KEYS[1], ARGV[1], 'KEEPTTL')
+redis.call('set', KEYS[2], '1', 'EX', ARGV[2])
+return 1
+"""
+
+
+@dataclass(eq=False)
+class LiveRecord:
+    """A running stored response's record in the shared state: its request (the create
+    body, the conversation before it, its first object), then one step per engine
+    output that brought events: those events and the output token ids they came from,
+    appended before any of them is sent. One replica owns it and renews a heartbeat
+    every BEAT_EVERY seconds; another replica asked for the response follows the steps,
+    and when the heartbeat has stopped for ALIVE_TTL seconds it takes the record over
+    (atomically: one taker) and continues the response from the recorded tokens."""
+
+    shared: SharedState
+    rid: str
+    me: str  # the owner's name (its store's)
+    events: int = 0  # the run's events recorded
+    tokens: int = 0  # its output tokens recorded
+    owned: bool = True
+    beat: asyncio.Task | None = None
+
+    def key(self, part: str = "") -> str:
+        return f"{LIVE_PREFIX}{self.rid}{part}"
+
+    async def open(self, request: dict[str, Any]) -> bool:
+        ok = await self.shared.run_script(_OPEN, [self.key(), self.key(":owner"),
+                                                  self.key(":alive")],
+                                          [json.dumps(request), self.me, LIVE_TTL, ALIVE_TTL])
+        if ok == 1:
+            self._beat()
+        return ok == 1
+
+    def _beat(self) -> None:
+        async def beat() -> None:
+            while self.owned:
+                await asyncio.sleep(BEAT_EVERY)
+                await self._write("")
+        self.beat = asyncio.get_running_loop().create_task(beat())
+
+    async def _write(self, step: str) -> None:
+        answer = await self.shared.run_script(
+            _STEP, [self.key(":owner"), self.key(":steps"), self.key(), self.key(":alive")],
+            [self.me, step, LIVE_TTL, ALIVE_TTL])
+        if answer == 0 or (answer is None and step):
+            # another replica took it over, or a step was not recorded (what comes
+            # after it cannot be continued elsewhere): the record is no longer this one's
+            self.owned = False
+
+    async def step(self, run: Run, stream: chat_turn.TurnStream) -> None:
+        """Record the run's new events and the tokens they came from; then they may go
+        out."""
+        if self.owned and len(run.events) > self.events:
+            ids = stream.output_token_ids
+            await self._write(json.dumps([run.events[self.events:], ids[self.tokens:],
+                                          stream.reasoning_tokens]))
+            self.events, self.tokens = len(run.events), len(ids)
+        run.show()
+
+    async def close(self) -> None:
+        """The run ended and its end is shared: the live record goes."""
+        was, self.owned = self.owned, False
+        if self.beat is not None:
+            self.beat.cancel()
+        if was:
+            await self.shared.delete(*(self.key(p) for p in ("", ":steps", ":owner", ":alive")))
+
+
 class ResponseStore:
     """Stored responses of this process, by id, each with its tenant; with `shared`
     (the Redis of --kv-tier redis), also those another replica stored, written there
@@ -477,10 +627,12 @@ class ResponseStore:
                  shared: SharedState | None = None, max_bytes: int = MAX_STORED_BYTES) -> None:
         self.max_stored, self.ttl, self.shared, self.max_bytes = max_stored, ttl, shared, max_bytes
         self._runs: OrderedDict[str, Run] = OrderedDict()
+        self.me = uuid.uuid4().hex  # this store's name as the owner of live records
 
     async def publish(self, run: Run, last: str | None = None) -> None:
-        """Share an ended run (`last`: its final event, if not appended yet)."""
-        if self.shared is None:
+        """Share an ended run (`last`: its final event, if not appended yet); not one
+        another replica took over (its end is that one's to share)."""
+        if self.shared is None or (run.live is not None and not run.live.owned):
             return
         events = run.events + ([last] if last is not None else [])
         await self.shared.put(RECORD_PREFIX + run.id, {
@@ -506,6 +658,91 @@ class ResponseStore:
                 raise
         return Run(found["response"], tenant, [], events=found["events"],
                    conversation=found["conversation"], ended_at=time.monotonic(), store=self)
+
+    async def live_record(self, rid: str, tenant: str
+                          ) -> tuple[dict[str, Any], list[str]] | None:
+        """A response running on another replica (or that replica's last word on it):
+        its request and the events recorded so far; None if there is no such record
+        for this key's tenant."""
+        if self.shared is None:
+            return None
+        live = LiveRecord(self.shared, rid, self.me)
+        found = await self.shared.get_with_list(live.key(), live.key(":steps"))
+        if found is None or found[0].get("tenant") != tenant:
+            return None
+        return found[0], [e for step in found[1] for e in step[0]]
+
+    async def take_over(self, gw: Gateway, principal: Principal, rid: str) -> Run | None:
+        """Continue here a response whose owner's heartbeat stopped, from its live
+        record (None: another replica holds it, or it is gone). The run carries on its
+        events and output, from the recorded tokens, and records on as the new owner."""
+        assert self.shared is not None
+        live = LiveRecord(self.shared, rid, self.me)
+        if await self.shared.run_script(_TAKE, [live.key(":owner"), live.key(":alive")],
+                                        [self.me, ALIVE_TTL]) != 1:
+            return None
+        found = await self.shared.get_with_list(live.key(), live.key(":steps"))
+        if found is None or found[0].get("tenant") != principal.tenant:
+            return None
+        request, recorded = found
+        body, history = request["body"], request["history"]
+        events = [e for step in recorded for e in step[0]]
+        tokens = [t for step in recorded for t in step[1]]
+        live.events, live.tokens = len(events), len(tokens)
+        live._beat()
+        try:
+            stream = await chat_turn.admit(gw, principal, _turn(gw, body,
+                                                                _messages(body, history)),
+                                           continued=tokens)
+        except BaseException:
+            live.owned = False  # (its heartbeat stops: another try may take it)
+            raise
+        stream.reasoning_tokens = recorded[-1][2] if recorded else 0
+        run = Run(request["response"], principal.tenant, history, events=events,
+                  stream=stream, live=live, shown=len(events))
+        self.add(run)
+        run.task = asyncio.get_running_loop().create_task(
+            produce(gw, run, Writer.replayed(run) if events else None))
+        gw.metrics.resumes.labels("continued").inc()
+        return run
+
+    async def follow_live(self, gw: Gateway, principal: Principal, rid: str, after: int
+                          ) -> AsyncIterator[str]:
+        """The events after `after` of a response another replica runs, read from its
+        live record as they are recorded; when that replica's heartbeat stops, the
+        response is taken over here (take_over) and followed to its end."""
+        assert self.shared is not None
+        live = LiveRecord(self.shared, rid, self.me)
+        events: list[str] = []
+        steps_read, at = 0, after + 1
+        while True:
+            got = await self.shared.read_from(RECORD_PREFIX + rid, live.key(":steps"),
+                                              steps_read, live.key(":alive"))
+            if got is None:
+                return  # Redis is down: what was read is all this follower gets
+            ended, recorded, alive = got
+            if ended is not None:  # (its end is shared before its live record goes)
+                for event in ended["events"][at:]:
+                    yield event
+                return
+            steps_read += len(recorded)
+            events += [e for step in recorded for e in step[0]]
+            while at < len(events):
+                at += 1
+                yield events[at - 1]
+            if not alive:
+                run = await self.take_over(gw, principal, rid)
+                if run is not None:
+                    try:
+                        async for event in run.follow(at - 1):
+                            yield event
+                    finally:
+                        if not run.response["background"]:
+                            run.linger(gw.config.limits.resume_grace)
+                    return
+                if await self.shared.exists(live.key()) is False:
+                    return  # gone: ended and shared, or expired
+            await asyncio.sleep(FOLLOW_POLL)
 
     async def forget(self, response_id: str, tenant: str) -> Run:
         """Remove a stored response, here and where it is shared."""
@@ -576,25 +813,39 @@ async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: d
             raise _bad(f"the previous response {previous!r} is still in progress")
         history = list(prev.conversation)
     history += input_messages(body.get("input"))
-    instructions = body.get("instructions")
-    messages = tool_calls.check_messages(
-        ([{"role": "system", "content": instructions}] if instructions else []) + history)
+    messages = _messages(body, history)
     stored = body.get("store", True) is not False
     if body.get("generate", True) is False:
         return await _prepared(gw, store if stored else local, principal, body, history,
                                messages)
-    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
-    sampling["max_tokens"] = body.get("max_output_tokens")
-    sampling["response_format"] = format_of(body.get("text"))
-    params = openai_request.sampling_params(sampling, True, gw.sampling_defaults)
-    turn = Turn(messages, params, tools_of(body), think_of(body))
+    turn = _turn(gw, body, messages)
     stream = await chat_turn.admit(gw, principal, turn)
     run = Run(_response(gw, body, stored, bool(body.get("background"))), principal.tenant,
               history, stream=stream)
     (store if stored else local or ResponseStore()).add(run)
+    if stored and store.shared is not None and turn.tools is None:
+        live = LiveRecord(store.shared, run.id, store.me)
+        if await live.open({"tenant": principal.tenant, "body": body, "history": history,
+                            "response": _snapshot(run.response)}):
+            run.live = live
     if not driven:
         run.task = asyncio.get_running_loop().create_task(produce(gw, run))
     return run
+
+
+def _messages(body: dict[str, Any], history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The turn's chat messages: the instructions, then the conversation."""
+    instructions = body.get("instructions")
+    return tool_calls.check_messages(
+        ([{"role": "system", "content": instructions}] if instructions else []) + history)
+
+
+def _turn(gw: Gateway, body: dict[str, Any], messages: list[dict[str, Any]]) -> Turn:
+    sampling = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+    sampling["max_tokens"] = body.get("max_output_tokens")
+    sampling["response_format"] = format_of(body.get("text"))
+    params = openai_request.sampling_params(sampling, True, gw.sampling_defaults)
+    return Turn(messages, params, tools_of(body), think_of(body))
 
 
 async def _previous(store: ResponseStore, local: ResponseStore | None, rid: str,
@@ -709,11 +960,21 @@ def _event_stream(run: Run, after: int, stop_on_close: bool) -> StreamingRespons
     async def events() -> AsyncIterator[str]:
         try:
             async for event in run.follow(after):
-                yield sse(event)
+                yield event
         finally:
             if stop_on_close:
                 run.cancel()  # (a no-op once it has ended)
-    return StreamingResponse(events(), media_type="text/event-stream",
+    return _sse_of(events())
+
+
+def _sse_of(events: AsyncIterator[str]) -> StreamingResponse:
+    async def sent() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield sse(event)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]  # (an async generator)
+    return StreamingResponse(sent(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -731,16 +992,32 @@ async def _stored(request: Request, forget: bool = False) -> Run | Response:
 
 
 async def retrieve(request: Request) -> Response:
-    run = await _stored(request)
-    if not isinstance(run, Run):
-        return run
+    """GET /v1/responses/{id}: the object, or (stream=true) its events after
+    starting_after; a response running on another replica is read from its live record
+    (and followed, or taken over when that replica is gone)."""
     q = request.query_params
-    if q.get("stream", "false").lower() == "true":
-        after = q.get("starting_after", "-1")
-        if not re.fullmatch(r"-1|\d{1,9}", after, re.ASCII):
-            return error_response(_bad("starting_after must be an integer >= -1"))
-        return _event_stream(run, int(after), stop_on_close=False)
-    return JSONResponse(run.response)
+    streamed = q.get("stream", "false").lower() == "true"
+    after = q.get("starting_after", "-1")
+    if streamed and not re.fullmatch(r"-1|\d{1,9}", after, re.ASCII):
+        return error_response(_bad("starting_after must be an integer >= -1"))
+    run = await _stored(request)
+    if isinstance(run, Run):
+        if streamed:
+            return _event_stream(run, int(after), stop_on_close=False)
+        return JSONResponse(run.response)
+    if run.status_code != 404:
+        return run
+    gw: Gateway = request.app.state.gateway
+    store, rid = store_of(request), request.path_params["id"]
+    principal = gw.authenticate(request.headers.get("authorization"))  # (it passed)
+    live = await store.live_record(rid, principal.tenant)
+    if live is None:
+        return run
+    if streamed:
+        return _sse_of(store.follow_live(gw, principal, rid, int(after)))
+    shown = Run(live[0]["response"], principal.tenant, [], events=live[1])
+    Writer.replayed(shown)
+    return JSONResponse(shown.response)
 
 
 async def delete(request: Request) -> Response:
@@ -889,8 +1166,16 @@ class ResponseSocket:
                 after = msg.get("starting_after", -1)
                 if not isinstance(after, int) or isinstance(after, bool) or after < -1:
                     raise _bad("starting_after must be an integer >= -1")
-                run = await self.store.fetch(str(msg.get("response_id")),
-                                             self.principal.tenant)
+                rid = str(msg.get("response_id"))
+                try:
+                    run = await self.store.fetch(rid, self.principal.tenant)
+                except ProtocolError:
+                    if await self.store.live_record(rid, self.principal.tenant) is None:
+                        raise
+                    # running on another replica: followed (or taken over) from here
+                    async for event in self.store.follow_live(gw, self.principal, rid, after):
+                        await self.send(_with_stream_id(event, lane))
+                    return
             else:
                 body = {k: v for k, v in msg.items() if k not in ("type", "stream_id")}
                 if not isinstance(body.get("generate", True), bool):

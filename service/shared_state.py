@@ -8,7 +8,10 @@ JSON records with a TTL. Two kinds live there:
   uninterrupted run's;
 - stored Responses (service/responses_api.py), written when they end: their object,
   events and conversation, so `previous_response_id`, GET (and its event replay) and
-  DELETE work on any replica.
+  DELETE work on any replica;
+- the live record of a stored Response while it runs (responses_api.LiveRecord): its
+  request, its events and their token ids step by step, an owner and the owner's
+  heartbeat, so another replica follows it, and takes it over when the heartbeat stops.
 
 A Redis that fails costs only the sharing: each replica goes on with what it holds, and
 what only another held is not found (404); a warning is logged once per failure spell."""
@@ -29,6 +32,7 @@ class SharedState:
         self.client = aioredis.from_url(url, socket_timeout=timeout,
                                         socket_connect_timeout=timeout)
         self._warned = False
+        self._scripts: dict[str, Any] = {}
 
     def _failed(self, what: str, e: Exception) -> None:
         if not self._warned:  # once: a down Redis would otherwise log every event
@@ -61,11 +65,11 @@ class SharedState:
             self._failed(f"looking up {key}", e)
             return None
 
-    async def delete(self, key: str) -> None:
+    async def delete(self, *keys: str) -> None:
         try:
-            await self.client.delete(key)
+            await self.client.delete(*keys)
         except Exception as e:  # noqa: BLE001 - see put
-            self._failed(f"deleting {key}", e)
+            self._failed(f"deleting {keys[0]}", e)
 
     async def push(self, key: str, value: Any, ttl: float, touch: tuple[str, ...] = ()) -> bool:
         """Append `value` to the list at `key`; `key` and `touch` live `ttl` more seconds."""
@@ -80,6 +84,36 @@ class SharedState:
         except Exception as e:  # noqa: BLE001 - see put
             self._failed(f"appending to {key}", e)
             return False
+
+    async def run_script(self, source: str, keys: list[str], args: list[Any]) -> Any | None:
+        """Run a Lua script (atomic on the server) and return its answer, or None when
+        Redis did not answer."""
+        try:
+            script = self._scripts.get(source)
+            if script is None:
+                script = self._scripts[source] = self.client.register_script(source)
+            answer = await script(keys=keys, args=args)
+            self._warned = False
+            return answer
+        except Exception as e:  # noqa: BLE001 - see put
+            self._failed("a script", e)
+            return None
+
+    async def read_from(self, key: str, list_key: str, start: int, flag: str
+                        ) -> tuple[Any, list[Any], bool] | None:
+        """The record at `key`, the items of the list at `list_key` from index `start`
+        and whether `flag` exists, read together; None when Redis did not answer."""
+        try:
+            async with self.client.pipeline(transaction=False) as p:
+                p.get(key)
+                p.lrange(list_key, start, -1)
+                p.exists(flag)
+                raw, items, there = await p.execute()
+        except Exception as e:  # noqa: BLE001 - see put
+            self._failed(f"reading {key}", e)
+            return None
+        return (None if raw is None else json.loads(raw), [json.loads(i) for i in items],
+                bool(there))
 
     async def get_with_list(self, key: str, list_key: str) -> tuple[Any, list[Any]] | None:
         """The record at `key` and every item of the list at `list_key`, or None."""

@@ -82,13 +82,15 @@ class SseStream:
 
 
 async def follow_events(events: list[str], ended: Callable[[], bool], wake: asyncio.Event,
-                        after: int) -> AsyncIterator[str]:
+                        after: int, visible: Callable[[], int] | None = None
+                        ) -> AsyncIterator[str]:
     """The events after index `after` of a list that grows (each append sets `wake`),
     then each new one until `ended()`: a follower of a recorded stream (these, and the
-    Responses API's)."""
+    Responses API's). `visible()`: how many of them may be sent yet (default: all; at
+    the end, all)."""
     at = after + 1
     while True:
-        while at < len(events):
+        while at < (len(events) if visible is None or ended() else visible()):
             at += 1
             yield events[at - 1]
         if ended():

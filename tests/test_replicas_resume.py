@@ -9,6 +9,7 @@ leaves it out for time; `pytest` with no arguments runs it."""
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -33,17 +34,22 @@ def _replica_config(model, redis_url: str) -> ServiceConfig:  # noqa: ANN001 - a
 
 
 @pytest.fixture(scope="module")
-def replicas(tiny_chat_model):
-    """Two replicas on one Redis (the KV tier's, and the streams' records)."""
+def shared_redis():
     from tests.servers import RedisServer
 
     redis = RedisServer().start()
     try:
-        config = _replica_config(tiny_chat_model, redis.url)
-        with run_server(config) as a, run_server(config) as b:
-            yield a, b
+        yield redis
     finally:
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_chat_model, shared_redis):
+    """Two replicas on one Redis (the KV tier's, and the streams' records)."""
+    config = _replica_config(tiny_chat_model, shared_redis.url)
+    with run_server(config) as a, run_server(config) as b:
+        yield a, b
 
 
 def _continued(server) -> float:  # noqa: ANN001 - a RunningServer
@@ -149,3 +155,88 @@ def test_responses_are_shared_by_replicas_on_one_redis(replicas) -> None:
         conn.send({"type": "response.create", "model": TINY, "input": "Hi",
                    "max_output_tokens": 6})
         assert _until_end(conn)[-1].type == "response.incomplete"
+
+
+# -- a Response still running when its replica goes --------------------------------------------
+
+# (seeded text stays the uninterrupted run's while the continuing replica's prefill of the
+# sent tokens gives the logits their decode steps gave to the last bit that matters: on
+# this tiny random model, whose 49k-token distributions are nearly flat, 120 tokens held
+# and one run of 400 parted after ~190; greedy held for 400)
+RESPONSE = {"model": TINY, "input": "Write a long story about a lighthouse keeper.",
+            "max_output_tokens": 120, "ignore_eos": True, "stream": True, "background": True}
+
+
+def response_events(r, until: int | None = None) -> list[dict]:  # noqa: ANN001 - HTTPResponse
+    """The Responses events of an SSE stream (to its end, or to sequence number `until`)."""
+    events = []
+    while raw := r.readline():
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("data: "):
+            events.append(json.loads(line[6:]))
+            if until is not None and events[-1]["sequence_number"] >= until:
+                break
+    return events
+
+
+def output_text(events: list[dict]) -> str:
+    return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+
+def test_a_running_response_is_followed_from_another_replica(replicas) -> None:
+    """A background response runs on A; B, asked for its events, reads them from A's
+    live record as A records them (A's heartbeat is alive: B does not take it over),
+    event for event what A sends its own follower."""
+    a, b = replicas
+    with stream("POST", a.url + "/v1/responses", RESPONSE) as r:
+        first = response_events(r, until=2)
+        rid = first[0]["response"]["id"]
+        continued = _continued(b)
+        with stream("GET", f"{b.url}/v1/responses/{rid}?stream=true&starting_after=0") as rb:
+            assert rb.status == 200
+            on_b = response_events(rb)
+        on_a = first + response_events(r)
+    assert on_b == on_a[1:]
+    assert on_b[-1]["type"] == "response.incomplete"  # (max_output_tokens)
+    assert _continued(b) == continued  # followed, not taken over
+
+
+def _kill_mid_response(replica, body: dict, after: int) -> tuple[str, list[dict]]:  # noqa: ANN001
+    """Start `body` on `replica` (a process), read its events to `after`, kill it."""
+    with stream("POST", replica.url + "/v1/responses", body) as r:
+        seen = response_events(r, until=after)
+        replica.kill()
+    assert seen[-1]["sequence_number"] == after, "the response ended before its replica"
+    return seen[0]["response"]["id"], seen
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
+def test_a_response_whose_replica_dies_is_taken_over(replicas, shared_redis, tiny_chat_model,
+                                                     sampling: dict) -> None:
+    """A third replica (a process of its own) runs a background response and is killed
+    (SIGKILL) mid-stream. B, asked for the events after the last one the client had,
+    follows the live record until the dead replica's heartbeat lapses, takes it over,
+    and continues it from the recorded tokens: sequence numbers run on, the text is the
+    uninterrupted run's, one end; the stored response is then B's, on any replica."""
+    from tests.servers import ServeProcess
+
+    a, b = replicas
+    body = {**RESPONSE, **sampling}
+    with stream("POST", a.url + "/v1/responses", body) as r:
+        whole = response_events(r)
+    third = ServeProcess("--model", str(tiny_chat_model), "--dtype", "float32",
+                         "--served-model-name", TINY, "--kv-tier", "redis", "--redis-url",
+                         shared_redis.url, "--resume-grace", "30", "--no-kv-prefault")
+    with third:
+        rid, before = _kill_mid_response(third, body, after=8)
+    continued, started = _continued(b), time.monotonic()
+    with stream("GET", f"{b.url}/v1/responses/{rid}?stream=true&starting_after=8") as r:
+        after = response_events(r)
+    assert _continued(b) == continued + 1  # B took it over
+    assert time.monotonic() - started < 30
+    assert [e["sequence_number"] for e in after] == list(range(9, 9 + len(after)))
+    assert output_text(before) + output_text(after) == output_text(whole)
+    assert [e["type"] for e in after].count("response.incomplete") == 1
+    assert after[-1]["response"]["usage"]["output_tokens"] == body["max_output_tokens"]
+    done = oai(a).responses.retrieve(rid)  # shared by B when it ended
+    assert done.output_text == output_text(whole)

@@ -310,7 +310,9 @@ def _near_copy(src: Path, dst: Path, noise: float, seed: int = 0) -> Path:
 def test_sampled_distribution_is_kept(tiny_models, tmp_path, top_p: float) -> None:
     """20,000 samples (make spec; 4,000 in make test) of a peaked tiny model's 2nd to
     4th tokens (the positions verified with proposals), with and without speculation,
-    n-gram and draft: chi-square p > 0.01 for each position and proposer. The prompt is
+    n-gram and draft: chi-square p > 0.001 for each position and proposer (12
+    comparisons in all: a sound sampler then fails ~1% of machines' random streams; it
+    failed at 0.0086 once at 4,000 draws and passed at 20,000). The prompt is
     the model's own greedy text, so that prompt lookup proposes what the model often
     samples (both the accepting and the rejecting paths run thousands of times)."""
     target = tiny_models("llama", 0, vocab_size=24, initializer_range=0.6)
@@ -336,7 +338,7 @@ def test_sampled_distribution_is_kept(tiny_models, tmp_path, top_p: float) -> No
         base = [t[pos] for t in runs["plain"]]
         for name in ("ngram", "draft"):
             p = _chi2_two_sample(base, [t[pos] for t in runs[name]])
-            assert p > 0.01, f"{name}, token {pos}: p = {p:.2g}"
+            assert p > 0.001, f"{name}, token {pos}: p = {p:.2g}"
 
 
 def test_seeded_sampling_does_not_speculate(tiny_models) -> None:

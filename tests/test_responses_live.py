@@ -1,0 +1,92 @@
+"""The parts that let another replica carry on a running Response
+(service/responses_api.py): the Writer rebuilt from recorded events, and the live
+record's ownership on a real Redis (one owner; a taker only once the owner's heartbeat
+has lapsed; an owner that lost the record stops writing to it). The whole path, with a
+replica killed mid-stream, is in tests/test_replicas_resume.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from service.chat_turn import ReasoningDelta, TextDelta
+from service.responses_api import _TAKE, ALIVE_TTL, LiveRecord, Run, Writer, _snapshot
+from service.shared_state import SharedState
+from tests.servers import RedisServer
+
+
+def _run() -> Run:
+    return Run({"id": "resp_1", "status": "in_progress", "output": [], "store": True},
+               "tenant", [])
+
+
+def test_a_writer_replayed_from_events_carries_on_as_the_original() -> None:
+    """A run's events, replayed into a fresh copy of its first object, give the same
+    output and open item: the same deltas then make the same events (ids and all)."""
+    run = _run()
+    start = _snapshot(run.response)
+    run.emit("response.created", {"response": _snapshot(run.response)})
+    run.emit("response.in_progress", {"response": _snapshot(run.response)})
+    writer = Writer(run)
+    for e in (ReasoningDelta("let me "), ReasoningDelta("think"), TextDelta("The answer"),
+              TextDelta(" is")):
+        writer.add(e)
+    again = Run(copy.deepcopy(start), "tenant", [], events=list(run.events))
+    replayed = Writer.replayed(again)
+    assert again.response["output"] == run.response["output"]
+    assert replayed.item is again.response["output"][-1]  # the message is still open
+    for w in (writer, replayed):
+        w.add(TextDelta(" 42."))
+        w.close()
+    assert again.events == run.events
+    assert again.response["output"][-1]["content"][0]["text"] == "The answer is 42."
+
+
+@pytest.fixture
+def shared():
+    redis = RedisServer().start()
+    try:
+        yield SharedState(redis.url, 2.0)
+    finally:
+        redis.stop()
+
+
+async def test_the_live_record_has_one_owner_and_changes_hands_only_when_it_lapses(
+        shared: SharedState) -> None:
+    run, stream = _run(), _Stream()
+    owner = LiveRecord(shared, run.id, "replica-a")
+    assert await owner.open({"tenant": "tenant"})
+    owner.beat.cancel()  # (heartbeats by hand below)
+    run.emit("response.created", {"response": {}})
+    stream.ids = [5, 6]
+    await owner.step(run, stream)
+    assert run.shown == 1 and owner.tokens == 2
+    keys = [owner.key(":owner"), owner.key(":alive")]
+    # alive: nobody takes it
+    assert await shared.run_script(_TAKE, keys, ["replica-b", ALIVE_TTL]) == 0
+    await shared.delete(owner.key(":alive"))  # (its heartbeat lapsed)
+    assert await shared.run_script(_TAKE, keys, ["replica-b", ALIVE_TTL]) == 1
+    assert await shared.run_script(_TAKE, keys, ["replica-c", ALIVE_TTL]) == 0  # one taker
+    # the old owner's next step is refused; its events still go out (shown), unrecorded
+    run.emit("response.in_progress", {"response": {}})
+    stream.ids = [5, 6, 7]
+    await owner.step(run, stream)
+    assert not owner.owned and run.shown == 2
+    steps = await shared.get_with_list(owner.key(), owner.key(":steps"))
+    assert steps is not None and steps[1] == [[[run.events[0]], [5, 6], 0]]
+    assert await shared.client.get(owner.key(":owner")) == b"replica-b"
+    await owner.close()  # not the owner: B's record stays
+    assert await shared.exists(owner.key()) is True
+    await shared.client.aclose()
+
+
+class _Stream:
+    """What LiveRecord.step reads of a TurnStream."""
+
+    ids: list[int] = []
+    reasoning_tokens = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.ids
