@@ -61,6 +61,7 @@ RECORD_PREFIX = "tidewire:resp:"  # a stored response in the shared state
 log = logging.getLogger("tidewire.service")
 MAX_STORED = 1000  # stored responses, all tenants together: the oldest ended one goes first
 MAX_STORED_BYTES = 256 << 20  # and their events and conversations, at most this many bytes
+TENANT_SHARE = 4  # one tenant holds at most 1/4 of each: its own oldest go first past it
 RESPONSE_TTL = 3600.0  # seconds a stored response is kept once it has ended
 MAX_METADATA = 16
 
@@ -753,16 +754,28 @@ class ResponseStore:
         return run
 
     def add(self, run: Run) -> None:
+        """Store `run`. Past the limits the oldest ended responses go: the tenant's own
+        first while it holds over its share (TENANT_SHARE), so that one key cannot push
+        out another's, then anyone's."""
         self._expire()
         run.store = self
         self._runs[run.id] = run
-        held = sum(r.size for r in self._runs.values())
-        while len(self._runs) > self.max_stored or held > self.max_bytes:
-            oldest = next((r for r in self._runs.values() if r.ended), None)
-            if oldest is None:
-                break  # every stored one is still running: they end on their own
-            held -= oldest.size
-            del self._runs[oldest.id]
+        mine = [r for r in self._runs.values() if r.tenant == run.tenant]
+        self._drop(mine, max(self.max_stored // TENANT_SHARE, 1),
+                   self.max_bytes // TENANT_SHARE)
+        self._drop(list(self._runs.values()), self.max_stored, self.max_bytes)
+
+    def _drop(self, runs: list[Run], count: int, size: int) -> None:
+        """Remove the oldest ended of `runs` (oldest first) until at most `count` and
+        `size` bytes of them are left, or only running ones."""
+        held, left = sum(r.size for r in runs), len(runs)
+        for r in runs:
+            if left <= count and held <= size:
+                return
+            if r.ended:
+                held -= r.size
+                left -= 1
+                del self._runs[r.id]
 
     def get(self, response_id: str, tenant: str) -> Run:
         self._expire()

@@ -15,7 +15,7 @@ the record; each connection follows the record. When the last follower leaves, a
 of `resume_grace` seconds starts; a follower that comes back in time stops it, and
 otherwise the producer is cancelled, which aborts the request as a disconnect always
 did. At most `max_detached` streams (the socket's limit) run without a follower; past
-it a disconnect aborts at once."""
+it (or past `max_detached_per_key` of one tenant's) a disconnect aborts at once."""
 
 from __future__ import annotations
 
@@ -110,6 +110,7 @@ class SseStreams:
         self.record_ttl = max(limits.resume_grace, 60.0)
         self.streams: dict[str, SseStream] = {}
         self.detached = 0  # running with no follower now
+        self.detached_by: dict[str, int] = {}  # of those, by tenant
 
     async def record_request(self, stream_id: str, request: dict[str, object]) -> bool:
         assert self.shared is not None
@@ -154,10 +155,7 @@ class SseStreams:
     async def follow(self, s: SseStream, after: int) -> AsyncIterator[str]:
         """`s`'s events after `after` for one connection; when it goes, the stream may
         run on detached (see the module doc)."""
-        if s.timer is not None:
-            s.timer.cancel()
-            s.timer = None
-            self.detached -= 1
+        self._attach(s)
         s.followers += 1
         try:
             async for event in s.follow(after):
@@ -168,18 +166,34 @@ class SseStreams:
                 self._detach(s)
 
     def _detach(self, s: SseStream) -> None:
-        grace = self.limits.resume_grace
+        lim = self.limits
         if s.ended:
             return
-        if grace <= 0 or self.detached >= self.limits.max_detached:
-            self._stop(s)
+        if lim.resume_grace <= 0 or self.detached >= lim.max_detached or \
+                self.detached_by.get(s.tenant, 0) >= lim.max_detached_per_key:
+            self._stop(s)  # (the room is shared: no tenant takes more than its part)
             return
-        self.detached += 1
-        s.timer = asyncio.get_running_loop().call_later(grace, self._expire, s)
+        self._count(s, 1)
+        s.timer = asyncio.get_running_loop().call_later(lim.resume_grace, self._expire, s)
+
+    def _attach(self, s: SseStream) -> None:
+        """`s` is followed again, or ended: no longer detached."""
+        if s.timer is not None:
+            s.timer.cancel()
+            s.timer = None
+            self._count(s, -1)
+
+    def _count(self, s: SseStream, n: int) -> None:
+        self.detached += n
+        left = self.detached_by.get(s.tenant, 0) + n
+        if left:
+            self.detached_by[s.tenant] = left
+        else:
+            self.detached_by.pop(s.tenant, None)
 
     def _expire(self, s: SseStream) -> None:
         s.timer = None
-        self.detached -= 1
+        self._count(s, -1)
         self._stop(s)
 
     def cancel(self, s: SseStream) -> None:
@@ -199,10 +213,7 @@ class SseStreams:
                 s.add(data, tokens)
         finally:
             s.end()
-            if s.timer is not None:
-                s.timer.cancel()
-                s.timer = None
-                self.detached -= 1
+            self._attach(s)
             aclose = getattr(source, "aclose", None)
             if aclose is not None:
                 await aclose()

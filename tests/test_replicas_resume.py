@@ -1,7 +1,8 @@
 """Streams and responses across replicas on one Redis (the KV tier's, which also holds
 what the replicas share: service/shared_state.py): a resumable chat stream dropped on
 one replica is continued by another from its record, with the uninterrupted run's text
-(raw client, and the Python SDK through the TCP cut-proxy); a stored Response is
+(raw client, and the Python SDK through the TCP cut-proxy); a running Response is followed
+from another replica and taken over when its replica is killed; a stored Response is
 continued, retrieved, replayed and deleted on any replica. Two servers and a Redis per
 module: `make scale-out` runs this (with the replicas behind HAProxy), `make test`
 leaves it out for time; `pytest` with no arguments runs it."""
@@ -188,16 +189,33 @@ def test_a_running_response_is_followed_from_another_replica(replicas) -> None:
     live record as A records them (A's heartbeat is alive: B does not take it over),
     event for event what A sends its own follower."""
     a, b = replicas
-    with stream("POST", a.url + "/v1/responses", RESPONSE) as r:
+    body = {**RESPONSE, "max_output_tokens": 400}
+    with stream("POST", a.url + "/v1/responses", body) as r:
         first = response_events(r, until=2)
         rid = first[0]["response"]["id"]
         continued = _continued(b)
         with stream("GET", f"{b.url}/v1/responses/{rid}?stream=true&starting_after=0") as rb:
             assert rb.status == 200
-            on_b = response_events(rb)
+            on_b = response_events(rb, until=5)
+            assert not a.app.state.responses._runs[rid].ended  # (read live, not its end)
+            on_b += response_events(rb)
         on_a = first + response_events(r)
     assert on_b == on_a[1:]
     assert on_b[-1]["type"] == "response.incomplete"  # (max_output_tokens)
+    # the WebSocket mode's response.resume on B, the same way
+    from websockets.sync.client import connect
+
+    with stream("POST", a.url + "/v1/responses", body) as r:
+        first = response_events(r, until=1)
+        rid = first[0]["response"]["id"]
+        with connect(b.url.replace("http", "ws") + "/v1/responses") as ws:
+            ws.send(json.dumps({"type": "response.resume", "response_id": rid,
+                                "starting_after": 1}))
+            on_b = [json.loads(ws.recv(timeout=30)) for _ in range(3)]
+            assert not a.app.state.responses._runs[rid].ended
+            while on_b[-1]["type"] != "response.incomplete":
+                on_b.append(json.loads(ws.recv(timeout=30)))
+        assert on_b == response_events(r)
     assert _continued(b) == continued  # followed, not taken over
 
 

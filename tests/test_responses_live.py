@@ -7,11 +7,13 @@ replica killed mid-stream, is in tests/test_replicas_resume.py."""
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 
 from service.chat_turn import ReasoningDelta, TextDelta
-from service.responses_api import _TAKE, ALIVE_TTL, LiveRecord, Run, Writer, _snapshot
+from service.responses_api import (_TAKE, ALIVE_TTL, LiveRecord, ResponseStore, Run, Writer,
+                                   _snapshot)
 from service.shared_state import SharedState
 from tests.servers import RedisServer
 
@@ -41,6 +43,24 @@ def test_a_writer_replayed_from_events_carries_on_as_the_original() -> None:
         w.close()
     assert again.events == run.events
     assert again.response["output"][-1]["content"][0]["text"] == "The answer is 42."
+
+
+def test_one_tenant_cannot_push_out_another_tenants_stored_responses() -> None:
+    """Past its share (a quarter of the count and of the bytes) a tenant's own oldest
+    ended responses go, not another tenant's; running ones are never dropped."""
+    def ended(rid: str, tenant: str, size: int = 10) -> Run:
+        return Run({"id": rid}, tenant, [], ended_at=time.monotonic(), size=size)
+
+    store = ResponseStore(max_stored=8, max_bytes=400)  # a tenant: 2 responses, 100 bytes
+    for rid in ("b1", "b2"):
+        store.add(ended(rid, "b"))
+    running = Run({"id": "a0"}, "a", [])
+    store.add(running)
+    for i in range(1, 6):
+        store.add(ended(f"a{i}", "a"))
+    assert list(store._runs) == ["b1", "b2", "a0", "a5"]
+    store.add(ended("b3", "b", size=95))  # b over its 100 bytes: its oldest go
+    assert list(store._runs) == ["a0", "a5", "b3"]
 
 
 @pytest.fixture

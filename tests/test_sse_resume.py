@@ -218,3 +218,34 @@ def test_a_client_done_early_stops_the_stream_at_once(server) -> None:
     chunks.close()  # (what leaving the loop does once the generator is collected)
     wait_idle(server, "the SDK's DELETE stopped it")
     assert aborted._value.get() == before + 2
+
+
+async def test_one_tenant_does_not_take_every_detached_place() -> None:
+    """Streams left without a follower run on up to max_detached_per_key a tenant: past
+    it that tenant's next one stops at once, while another tenant's still runs on."""
+    import asyncio
+
+    from service.sse_resume import SseStreams
+
+    streams = SseStreams(Limits(resume_grace=30.0, max_detached=8, max_detached_per_key=1))
+    hold = asyncio.Event()
+
+    async def endless():  # noqa: ANN202 - an event source that waits
+        yield "data: {}\n\n", 1
+        await hold.wait()
+
+    async def drop(sid: str, tenant: str):  # noqa: ANN202
+        s = streams.start(sid, tenant, endless())
+        async for _ in streams.follow(s, -1):
+            break  # (its client leaves after the first event)
+        await asyncio.sleep(0)
+        return s
+
+    kept, over, other = await drop("a1", "a"), await drop("a2", "a"), await drop("b1", "b")
+    await asyncio.sleep(0)
+    assert not kept.task.done() and not other.task.done()
+    assert over.task.done() and over.ended  # stopped: "a" had its one place
+    assert streams.detached == 2 and streams.detached_by == {"a": 1, "b": 1}
+    hold.set()
+    await asyncio.gather(kept.task, other.task)
+    assert streams.detached == 0 and streams.detached_by == {}
