@@ -71,14 +71,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="which API's stream to time, or several, comma-separated, run in "
                         "turn --rounds times with the ratios of their median tok/s to the "
                         "first: completions (token-id prompts), chat (/chat/completions), "
-                        "responses (/responses), messages (/messages, Anthropic's); the last "
-                        "three send the prompt as text, the same words for each")
+                        "responses (/responses), responses-background (the same with "
+                        "background: true, which a server may record to resume elsewhere), "
+                        "messages (/messages, Anthropic's); all but completions send the "
+                        "prompt as text, the same words for each")
     p.add_argument("--rounds", type=int, default=1,
                    help="runs of each --api, alternating (medians reported)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
 
 
-APIS = ("completions", "chat", "responses", "messages")
+APIS = ("completions", "chat", "responses", "responses-background", "messages")
 # words the text prompts are made of, one per token id (a client without the server's
 # tokenizer; each API gets the same text)
 _WORDS = ("tide", "wire", "stream", "token", "river", "harbor", "signal", "lantern", "coast",
@@ -121,9 +123,18 @@ def chunk_has_content(chunk: dict[str, Any]) -> bool:
     """Whether a streamed completion chunk carries generated output: a choice with text, or
     a choice with no finish_reason yet (a server streams one only when generation moved on:
     a token whose text is held back mid-UTF-8, or a model without a tokenizer). A usage-only
-    chunk, or a closing chunk with a finish_reason and no text, is not content."""
-    return any(c.get("text") or c.get("finish_reason") is None
-               for c in chunk.get("choices") or [])
+    chunk, a closing chunk with a finish_reason and no text, or a chat stream's opening
+    chunk (the role, before any token) is not content."""
+    for c in chunk.get("choices") or []:
+        delta = c.get("delta")
+        if delta is None:  # /completions
+            if c.get("text") or c.get("finish_reason") is None:
+                return True
+        elif any(delta.get(k) for k in ("content", "reasoning_content", "reasoning",
+                                        "tool_calls")) or \
+                (c.get("finish_reason") is None and "role" not in delta):
+            return True
+    return False
 
 
 def parse_sse_line(line: str) -> dict[str, Any] | None | str:
@@ -153,8 +164,9 @@ def _body(r: BenchRequest, model: str | None, api: str = "completions") -> dict[
     elif api == "chat":
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens,
                 **greedy, "stream_options": {"include_usage": True}}
-    elif api == "responses":
-        body = {"input": text, "max_output_tokens": r.max_tokens, **greedy}
+    elif api.startswith("responses"):
+        body = {"input": text, "max_output_tokens": r.max_tokens, **greedy,
+                "background": api == "responses-background"}
     else:
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": r.max_tokens,
                 **greedy}
@@ -165,7 +177,7 @@ def _body(r: BenchRequest, model: str | None, api: str = "completions") -> dict[
 
 def _path(api: str) -> str:
     return {"completions": "completions", "chat": "chat/completions", "responses": "responses",
-            "messages": "messages"}[api]
+            "responses-background": "responses", "messages": "messages"}[api]
 
 
 async def default_model(client: aiohttp.ClientSession, base: str, headers: dict[str, str]
@@ -188,13 +200,14 @@ async def default_model(client: aiohttp.ClientSession, base: str, headers: dict[
 
 
 # the typed-event APIs: (the event of a content delta, the events that end the stream)
-_TYPED = {"responses": ("response.output_text.delta",
-                        ("response.completed", "response.incomplete", "response.failed")),
+_RESPONSE = ("response.output_text.delta",
+             ("response.completed", "response.incomplete", "response.failed"))
+_TYPED = {"responses": _RESPONSE, "responses-background": _RESPONSE,
           "messages": ("content_block_delta", ("message_stop", "error"))}
 
 
 def _typed_usage(api: str, event: dict[str, Any]) -> int | None:
-    if api == "responses":
+    if api.startswith("responses"):
         usage = (event.get("response") or {}).get("usage") or {}
     else:
         usage = event.get("usage") or {}

@@ -37,8 +37,9 @@ import logging
 import re
 import time
 import uuid
+import weakref
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,10 +266,15 @@ class Run:
         if self.shown < 0:
             self._wake.set()
 
-    def show(self) -> None:
-        """Its events so far are recorded: its followers may have them."""
-        self.shown = len(self.events)
-        self._wake.set()
+    def show(self, upto: int | None = None) -> None:
+        """Its events up to `upto` are recorded: its followers may have them (None: all
+        of them may go out as they come, recorded or not)."""
+        if self.shown >= 0:  # (-1: all of them already)
+            if upto is None:
+                self.shown = -1  # (from now on, each as it comes)
+            else:
+                self.shown = max(self.shown, upto)
+            self._wake.set()
 
     def finish(self, last: str) -> None:
         """The last event in; the run is ended (and its size known)."""
@@ -438,7 +444,7 @@ async def steps(gw: Gateway, run: Run, writer: Writer | None = None
             for event in batch:
                 writer.add(event)
             if run.live is not None:
-                await run.live.step(run, stream)
+                run.live.step(run, stream)
             yield
         o = stream.outcome
         if run.cancelled:
@@ -530,14 +536,27 @@ BEAT_EVERY = 1.0  # seconds between heartbeats
 FOLLOW_POLL = 0.1  # seconds between a cross-replica follower's reads of the record
 LIVE_TTL = 600  # seconds a live record outlasts its last write
 
-# KEYS: owner, steps, request, alive. ARGV: me, step (JSON, or "" for a heartbeat), ttl,
-# alive ttl. Appends the step and renews the heartbeat only while `me` owns the record.
-_STEP = """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] ~= '' then redis.call('rpush', KEYS[2], ARGV[2]) end
-for i = 1, 3 do redis.call('expire', KEYS[i], ARGV[3]) end
-redis.call('set', KEYS[4], '1', 'EX', ARGV[4])
-return 1
+# Writes of several records at once. KEYS: per record owner, steps, request, alive. ARGV:
+# ttl, alive ttl, then per record its writer's name and a step (JSON, or "" for a
+# heartbeat, which also makes every key live `ttl` more). Each is done only while that
+# name owns the record (1; else 0), and renews its heartbeat.
+_STEPS = """
+local out = {}
+for i = 0, (#ARGV - 2) / 2 - 1 do
+  local k, me, step = i * 4, ARGV[3 + 2 * i], ARGV[4 + 2 * i]
+  if redis.call('get', KEYS[k + 1]) ~= me then
+    out[i + 1] = 0
+  else
+    if step == '' then
+      for j = 1, 3 do redis.call('expire', KEYS[k + j], ARGV[1]) end
+    elseif redis.call('rpush', KEYS[k + 2], step) == 1 then
+      redis.call('expire', KEYS[k + 2], ARGV[1])
+    end
+    redis.call('set', KEYS[k + 4], '1', 'EX', ARGV[2])
+    out[i + 1] = 1
+  end
+end
+return out
 """
 # KEYS: request, owner, alive. ARGV: request JSON, me, ttl, alive ttl.
 _OPEN = """
@@ -559,17 +578,18 @@ return 1
 class LiveRecord:
     """A running stored response's record in the shared state: its request (the create
     body, the conversation before it, its first object), then one step per engine
-    output that brought events: those events and the output token ids they came from,
-    appended before any of them is sent. One replica owns it and renews a heartbeat
-    every BEAT_EVERY seconds; another replica asked for the response follows the steps,
-    and when the heartbeat has stopped for ALIVE_TTL seconds it takes the record over
-    (atomically: one taker) and continues the response from the recorded tokens."""
+    output that brought events: those events and the output token ids they came from.
+    Its followers get events only once their step is written (Run.shown). One replica
+    owns it and renews a heartbeat every BEAT_EVERY seconds; another replica asked for
+    the response follows the steps, and when the heartbeat has stopped for ALIVE_TTL
+    seconds it takes the record over (atomically: one taker) and continues the response
+    from the recorded tokens."""
 
     shared: SharedState
     rid: str
     me: str  # the owner's name (its store's)
-    events: int = 0  # the run's events recorded
-    tokens: int = 0  # its output tokens recorded
+    events: int = 0  # the run's events recorded (or on their way)
+    tokens: int = 0  # its output tokens recorded (or on their way)
     owned: bool = True
     beat: asyncio.Task | None = None
 
@@ -588,35 +608,91 @@ class LiveRecord:
         async def beat() -> None:
             while self.owned:
                 await asyncio.sleep(BEAT_EVERY)
-                await self._write("")
+                StepWriter.of(self.shared).write(self, "", self._lost_if_refused)
         self.beat = asyncio.get_running_loop().create_task(beat())
 
-    async def _write(self, step: str) -> None:
-        answer = await self.shared.run_script(
-            _STEP, [self.key(":owner"), self.key(":steps"), self.key(), self.key(":alive")],
-            [self.me, step, LIVE_TTL, ALIVE_TTL])
-        if answer == 0 or (answer is None and step):
-            # another replica took it over, or a step was not recorded (what comes
-            # after it cannot be continued elsewhere): the record is no longer this one's
+    def _lost_if_refused(self, answer: int | None) -> None:
+        if answer == 0:  # another replica took it over
             self.owned = False
 
-    async def step(self, run: Run, stream: chat_turn.TurnStream) -> None:
-        """Record the run's new events and the tokens they came from; then they may go
-        out."""
-        if self.owned and len(run.events) > self.events:
-            ids = stream.output_token_ids
-            await self._write(json.dumps([run.events[self.events:], ids[self.tokens:],
-                                          stream.reasoning_tokens]))
-            self.events, self.tokens = len(run.events), len(ids)
-        run.show()
+    def step(self, run: Run, stream: chat_turn.TurnStream) -> None:
+        """Record the run's new events and the tokens they came from; its followers get
+        them once that is written (the run goes on meanwhile)."""
+        if not self.owned:
+            run.show()
+            return
+        if len(run.events) == self.events:
+            return
+        ids, upto = stream.output_token_ids, len(run.events)
+        step = json.dumps([run.events[self.events:], ids[self.tokens:],
+                           stream.reasoning_tokens])
+        self.events, self.tokens = upto, len(ids)
+
+        def written(answer: int | None) -> None:
+            if answer != 1:
+                # another replica took it over, or a step was not written (what comes
+                # after it cannot be continued elsewhere): no longer this one's record
+                self.owned = False
+                run.show()
+            else:
+                run.show(upto)
+        StepWriter.of(self.shared).write(self, step, written)
 
     async def close(self) -> None:
-        """The run ended and its end is shared: the live record goes."""
+        """The run ended and its end is shared: the live record goes (a step still on
+        its way then finds no owner, and is not written)."""
         was, self.owned = self.owned, False
         if self.beat is not None:
             self.beat.cancel()
         if was:
-            await self.shared.delete(*(self.key(p) for p in ("", ":steps", ":owner", ":alive")))
+            await self.shared.delete(*(self.key(p) for p in (":owner", "", ":steps", ":alive")))
+
+
+class StepWriter:
+    """The live records' writes, sent as one script call for all that came in since the
+    last one was answered: with many responses streaming, about one Redis round trip
+    (and one command to pack) an engine step rather than one a response, and no wait
+    in any response's own loop. One call at a time, so each record's steps are written
+    in order."""
+
+    _of: weakref.WeakKeyDictionary[SharedState, StepWriter] = weakref.WeakKeyDictionary()
+
+    def __init__(self, shared: SharedState) -> None:
+        self.shared = shared
+        self.pending: list[tuple[LiveRecord, str, Callable[[int | None], None]]] = []
+        self.busy = False
+
+    @classmethod
+    def of(cls, shared: SharedState) -> StepWriter:
+        writer = cls._of.get(shared)
+        if writer is None:
+            writer = cls._of[shared] = cls(shared)
+        return writer
+
+    def write(self, record: LiveRecord, step: str, answered: Callable[[int | None], None]
+              ) -> None:
+        """Write `step` ("" renews the heartbeat) soon; `answered(1)` once written, 0 when
+        the record is not `record.me`'s, None when Redis did not answer."""
+        self.pending.append((record, step, answered))
+        if not self.busy:
+            self.busy = True
+            loop = asyncio.get_running_loop()  # (the batch goes once this turn is over)
+            loop.call_soon(lambda: _keep(loop.create_task(self._flush())))
+
+    async def _flush(self) -> None:
+        try:
+            while self.pending:
+                batch, self.pending = self.pending, []
+                keys = [k for r, _, _ in batch
+                        for k in (r.key(":owner"), r.key(":steps"), r.key(), r.key(":alive"))]
+                args: list[Any] = [LIVE_TTL, ALIVE_TTL]
+                for r, step, _ in batch:
+                    args += [r.me, step]
+                answer = await self.shared.run_script(_STEPS, keys, args)
+                for i, (_, _, answered) in enumerate(batch):
+                    answered(answer[i] if isinstance(answer, list) else None)
+        finally:
+            self.busy = False
 
 
 class ResponseStore:
@@ -836,11 +912,14 @@ async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: d
     run = Run(_response(gw, body, stored, bool(body.get("background"))), principal.tenant,
               history, stream=stream)
     (store if stored else local or ResponseStore()).add(run)
-    if stored and store.shared is not None and turn.tools is None:
+    # resumable elsewhere: background responses (as OpenAI resumes only those) and the
+    # WebSocket mode's (which resume after a dropped socket), with no tools
+    resumable = bool(body.get("background")) or local is not None
+    if stored and resumable and store.shared is not None and turn.tools is None:
         live = LiveRecord(store.shared, run.id, store.me)
         if await live.open({"tenant": principal.tenant, "body": body, "history": history,
                             "response": _snapshot(run.response)}):
-            run.live = live
+            run.live, run.shown = live, 0  # (its followers get what is recorded)
     if not driven:
         run.task = asyncio.get_running_loop().create_task(produce(gw, run))
     return run

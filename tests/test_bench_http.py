@@ -83,6 +83,16 @@ def test_content_chunks_and_sse_lines() -> None:
     assert chunk_has_content({"choices": [{"text": "!", "finish_reason": "length"}]})
     assert not chunk_has_content({"choices": [{"text": "", "finish_reason": "stop"}]})
     assert not chunk_has_content({"choices": [], "usage": {"completion_tokens": 3}})
+    # chat: the opening role chunk comes before any token; a token may bring the role
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    assert not chunk_has_content({"choices": [role]})
+    assert chunk_has_content({"choices": [{**role, "delta": {"role": "assistant",
+                                                             "content": "Hi"}}]})
+    assert chunk_has_content({"choices": [{"index": 0, "delta": {"reasoning_content": "h"},
+                                           "finish_reason": None}]})
+    assert chunk_has_content({"choices": [{"index": 0, "delta": {}, "finish_reason": None}]})
+    assert not chunk_has_content({"choices": [{"index": 0, "delta": {},
+                                               "finish_reason": "stop"}]})
     assert parse_sse_line('data: {"a": 1}') == {"a": 1}
     assert parse_sse_line("data:[DONE]") == "[DONE]"
     assert parse_sse_line(": keep-alive") is None and parse_sse_line("") is None

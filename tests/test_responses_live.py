@@ -15,7 +15,7 @@ from service.chat_turn import ReasoningDelta, TextDelta
 from service.responses_api import (_TAKE, ALIVE_TTL, LiveRecord, ResponseStore, Run, Writer,
                                    _snapshot)
 from service.shared_state import SharedState
-from tests.servers import RedisServer
+from tests.servers import RedisServer, apoll
 
 
 def _run() -> Run:
@@ -78,10 +78,13 @@ async def test_the_live_record_has_one_owner_and_changes_hands_only_when_it_laps
     owner = LiveRecord(shared, run.id, "replica-a")
     assert await owner.open({"tenant": "tenant"})
     owner.beat.cancel()  # (heartbeats by hand below)
+    run.shown = 0  # (as start() has it: followers get what is recorded)
     run.emit("response.created", {"response": {}})
     stream.ids = [5, 6]
-    await owner.step(run, stream)
-    assert run.shown == 1 and owner.tokens == 2
+    owner.step(run, stream)
+    assert run.shown == 0  # not yet written
+    await apoll(lambda: run.shown == 1, 10, "the step written")
+    assert owner.tokens == 2
     keys = [owner.key(":owner"), owner.key(":alive")]
     # alive: nobody takes it
     assert await shared.run_script(_TAKE, keys, ["replica-b", ALIVE_TTL]) == 0
@@ -91,8 +94,9 @@ async def test_the_live_record_has_one_owner_and_changes_hands_only_when_it_laps
     # the old owner's next step is refused; its events still go out (shown), unrecorded
     run.emit("response.in_progress", {"response": {}})
     stream.ids = [5, 6, 7]
-    await owner.step(run, stream)
-    assert not owner.owned and run.shown == 2
+    owner.step(run, stream)
+    await apoll(lambda: not owner.owned, 10, "the step refused")
+    assert run.shown == -1  # (every event goes out as it comes now)
     steps = await shared.get_with_list(owner.key(), owner.key(":steps"))
     assert steps is not None and steps[1] == [[[run.events[0]], [5, 6], 0]]
     assert await shared.client.get(owner.key(":owner")) == b"replica-b"
