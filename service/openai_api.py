@@ -5,11 +5,12 @@ and the response objects are service.openai_shapes'."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -17,6 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import RequestOutput
 from service import openai_request, sse_resume
+from service.live_record import FOLLOW_POLL, LiveRecord
 from service.shared_state import shared_state_of
 from service import openai_shapes as shapes
 from service import tools as tool_calls
@@ -99,13 +101,15 @@ async def _complete(request: Request, chat: bool) -> Response:
             return _event_stream(_with_ids(chunks, jobs))
         streams = sse_streams(request)
         cid = str(meta["id"])
-        record = None
+        live = None
         if streams.shared is not None and len(jobs) == 1 and tools is None \
                 and len(jobs[0].adm.stream.output.outputs) == 1 and jobs[0].echo is None:
-            if await streams.record_request(cid, {"tenant": principal.tenant, "chat": chat,
-                                                  "body": body, "created": meta["created"]}):
-                record = _recorder(streams, cid, jobs[0])
-        s = streams.start(cid, principal.tenant, _numbered(chunks, jobs), record)
+            live = streams.live(cid)
+            if not await live.open({"tenant": principal.tenant, "chat": chat, "body": body,
+                                    "created": meta["created"]}):
+                live = None
+        s = streams.start(cid, principal.tenant, _numbered(chunks, jobs), live,
+                          _token_ids(jobs[0]))
         return _event_stream(streams.follow(s, -1))
     return await _whole(gw, jobs, meta, chat, table, tools)
 
@@ -130,18 +134,9 @@ async def _admit(gw: Gateway, principal: Any, body: dict[str, Any], chat: bool,
     return jobs, table, tools
 
 
-def _recorder(streams: sse_resume.SseStreams, cid: str, job: Job
-              ) -> Callable[[int], Awaitable[None]]:
-    """Writes the token ids each event adds to the stream's record, before it goes out."""
-    sent, broken = 0, False
-
-    async def record(tokens: int) -> None:
-        nonlocal sent, broken
-        if tokens > sent and job.last is not None and not broken:
-            ids = job.last.outputs[0].token_ids[sent:tokens]
-            sent = tokens
-            broken = not await streams.record_tokens(cid, list(ids))  # (then: no record)
-    return record
+def _token_ids(job: Job) -> Callable[[], list[int]]:
+    """The job's output token ids so far (one prompt, one choice)."""
+    return lambda: list(job.last.outputs[0].token_ids) if job.last is not None else []
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
@@ -217,30 +212,86 @@ async def stream_events(request: Request) -> Response:
                 tokens is None or after < 0 or after >= len(s.events)
                 or f"id: {after}:{tokens}\n" in s.events[after]):
             return _event_stream(streams.follow(s, after))
-        return await _continue(request, gw, streams, principal, sid, after, tokens)
+        return await _continue(request, gw, streams, principal, sid, after)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
 
 
 async def _continue(request: Request, gw: Gateway, streams: sse_resume.SseStreams,
-                    principal: Any, sid: str, after: int, tokens: int | None) -> Response:
-    """A stream another replica ran, continued here from its record."""
-    found = await streams.load_record(sid)
-    if found is None or found[0].get("tenant") != principal.tenant:
+                    principal: Any, sid: str, after: int) -> Response:
+    """A stream another replica runs (or ran), from its live record: its events after
+    `after` as that replica records them, and, once its heartbeat has lapsed (the
+    replica is gone), the stream taken over and continued here from the recorded tokens
+    (service/live_record.py)."""
+    live = streams.live(sid) if streams.shared is not None else None
+    got = await live.read(0) if live is not None else None
+    if live is None or got is None or not isinstance(got[0], dict) \
+            or got[0].get("tenant") != principal.tenant:
         return error_json(404, "not_found", f"no resumable stream {sid!r} here: unknown, "
                           "not resumable, or past its grace period")
-    record, recorded = found
-    if tokens is None or after < 0 or tokens > len(recorded):
-        raise ProtocolError("invalid_request", "a stream continued on another replica needs "
-                            "Last-Event-ID (or after) as SEQ:TOKENS, within what was recorded")
+    record, steps, alive = got
+    events = [e for step in steps if step is not None for e in step[0]]
+    if after >= len(events):
+        raise ProtocolError("invalid_request", "Last-Event-ID (or after) is past what the "
+                            "stream's record holds")
+    return _event_stream(_follow_live(gw, streams, principal, live, record, steps, alive,
+                                      after))
+
+
+async def _follow_live(gw: Gateway, streams: sse_resume.SseStreams, principal: Any,
+                       live: LiveRecord, record: dict[str, Any], steps: list[Any], alive: bool,
+                       after: int) -> AsyncIterator[str]:
+    events = [e for step in steps if step is not None for e in step[0]]
+    ended, read, at = None in steps, len(steps), after + 1
+    while True:
+        while at < len(events):
+            at += 1
+            yield events[at - 1]
+        if ended:
+            return
+        if not alive:
+            s = await _take_over(gw, streams, principal, live, record)
+            if s is not None:
+                async for event in streams.follow(s, at - 1):
+                    yield event
+                return
+        await asyncio.sleep(FOLLOW_POLL)
+        got = await live.read(read)
+        if got is None or got[0] is None:
+            return  # Redis is down, or the record expired: what was sent is all
+        _, new, alive = got
+        read += len(new)
+        ended = None in new
+        events += [e for step in new if step is not None for e in step[0]]
+
+
+async def _take_over(gw: Gateway, streams: sse_resume.SseStreams, principal: Any,
+                     live: LiveRecord, record: dict[str, Any]) -> sse_resume.SseStream | None:
+    """Own a stream whose replica's heartbeat lapsed and continue it here from every
+    token recorded, recording on (None: another replica took it, or it ended)."""
+    if not await live.take():
+        return None
+    got = await live.read(0)
+    if got is None:
+        live.owned = False  # (Redis is failing: its heartbeat stops, another may try later)
+        return None
+    steps = got[1]
+    events = [e for step in steps for e in step[0]]
+    tokens = [t for step in steps for t in step[1]]
+    live.events, live.tokens = len(events), len(tokens)
     body, chat = record["body"], bool(record["chat"])
-    jobs, table, tools = await _admit(gw, principal, body, chat, recorded[:tokens])
+    try:
+        jobs, table, tools = await _admit(gw, principal, body, chat, tokens)
+    except BaseException:
+        live.owned = False  # (its heartbeat stops: another try may take it)
+        raise
     gw.metrics.resumes.labels("continued").inc()
-    meta = {"id": sid, "created": record["created"], "model": gw.config.model_name}
+    meta = {"id": live.rid, "created": record["created"], "model": gw.config.model_name}
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     chunks = _sse(gw, jobs, meta, chat, include_usage, table, tools, continued=True)
-    return _event_stream(_with_ids(chunks, jobs, after + 1))
+    return streams.start(live.rid, principal.tenant, _numbered(chunks, jobs), live,
+                         _token_ids(jobs[0]), events)
 
 
 async def models(request: Request) -> Response:

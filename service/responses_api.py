@@ -37,9 +37,8 @@ import logging
 import re
 import time
 import uuid
-import weakref
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +50,7 @@ from service import chat_turn, openai_request
 from service import tools as tool_calls
 from service.chat_turn import CallArguments, CallStart, ReasoningDelta, TextDelta, Turn
 from service.gateway import Gateway, Principal
+from service.live_record import FOLLOW_POLL, LiveRecord
 from service.openai_api import HTTP_STATUS, error_json, error_response
 from service.origins import origin_allowed
 from service.protocol import MAX_MESSAGES, ProtocolError
@@ -443,8 +443,9 @@ async def steps(gw: Gateway, run: Run, writer: Writer | None = None
         async for batch in stream.batches():
             for event in batch:
                 writer.add(event)
-            if run.live is not None:
-                run.live.step(run, stream)
+            if run.live is not None:  # (its followers get what is recorded)
+                run.live.record(run.events, stream.output_token_ids, stream.reasoning_tokens,
+                                run.show)
             yield
         o = stream.outcome
         if run.cancelled:
@@ -531,168 +532,7 @@ def _snapshot(response: dict[str, Any]) -> dict[str, Any]:
 
 
 LIVE_PREFIX = "tidewire:resp-live:"  # a stored response's live record while it runs
-ALIVE_TTL = 3  # seconds the owner's heartbeat lasts: past it, another replica may take over
-BEAT_EVERY = 1.0  # seconds between heartbeats
-FOLLOW_POLL = 0.1  # seconds between a cross-replica follower's reads of the record
 LIVE_TTL = 600  # seconds a live record outlasts its last write
-
-# Writes of several records at once. KEYS: per record owner, steps, request, alive. ARGV:
-# ttl, alive ttl, then per record its writer's name and a step (JSON, or "" for a
-# heartbeat, which also makes every key live `ttl` more). Each is done only while that
-# name owns the record (1; else 0), and renews its heartbeat.
-_STEPS = """
-local out = {}
-for i = 0, (#ARGV - 2) / 2 - 1 do
-  local k, me, step = i * 4, ARGV[3 + 2 * i], ARGV[4 + 2 * i]
-  if redis.call('get', KEYS[k + 1]) ~= me then
-    out[i + 1] = 0
-  else
-    if step == '' then
-      for j = 1, 3 do redis.call('expire', KEYS[k + j], ARGV[1]) end
-    elseif redis.call('rpush', KEYS[k + 2], step) == 1 then
-      redis.call('expire', KEYS[k + 2], ARGV[1])
-    end
-    redis.call('set', KEYS[k + 4], '1', 'EX', ARGV[2])
-    out[i + 1] = 1
-  end
-end
-return out
-"""
-# KEYS: request, owner, alive. ARGV: request JSON, me, ttl, alive ttl.
-_OPEN = """
-redis.call('set', KEYS[1], ARGV[1], 'EX', ARGV[3])
-redis.call('set', KEYS[2], ARGV[2], 'EX', ARGV[3])
-redis.call('set', KEYS[3], '1', 'EX', ARGV[4])
-return 1
-"""
-# KEYS: owner, alive. ARGV: me, alive ttl. Takes a record whose owner's heartbeat stopped.
-_TAKE = """
-if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[1]) == 0 then return 0 end
-redis.call('set', KEYS[1], ARGV[1], 'KEEPTTL')
-redis.call('set', KEYS[2], '1', 'EX', ARGV[2])
-return 1
-"""
-
-
-@dataclass(eq=False)
-class LiveRecord:
-    """A running stored response's record in the shared state: its request (the create
-    body, the conversation before it, its first object), then one step per engine
-    output that brought events: those events and the output token ids they came from.
-    Its followers get events only once their step is written (Run.shown). One replica
-    owns it and renews a heartbeat every BEAT_EVERY seconds; another replica asked for
-    the response follows the steps, and when the heartbeat has stopped for ALIVE_TTL
-    seconds it takes the record over (atomically: one taker) and continues the response
-    from the recorded tokens."""
-
-    shared: SharedState
-    rid: str
-    me: str  # the owner's name (its store's)
-    events: int = 0  # the run's events recorded (or on their way)
-    tokens: int = 0  # its output tokens recorded (or on their way)
-    owned: bool = True
-    beat: asyncio.Task | None = None
-
-    def key(self, part: str = "") -> str:
-        return f"{LIVE_PREFIX}{self.rid}{part}"
-
-    async def open(self, request: dict[str, Any]) -> bool:
-        ok = await self.shared.run_script(_OPEN, [self.key(), self.key(":owner"),
-                                                  self.key(":alive")],
-                                          [json.dumps(request), self.me, LIVE_TTL, ALIVE_TTL])
-        if ok == 1:
-            self._beat()
-        return ok == 1
-
-    def _beat(self) -> None:
-        async def beat() -> None:
-            while self.owned:
-                await asyncio.sleep(BEAT_EVERY)
-                StepWriter.of(self.shared).write(self, "", self._lost_if_refused)
-        self.beat = asyncio.get_running_loop().create_task(beat())
-
-    def _lost_if_refused(self, answer: int | None) -> None:
-        if answer == 0:  # another replica took it over
-            self.owned = False
-
-    def step(self, run: Run, stream: chat_turn.TurnStream) -> None:
-        """Record the run's new events and the tokens they came from; its followers get
-        them once that is written (the run goes on meanwhile)."""
-        if not self.owned:
-            run.show()
-            return
-        if len(run.events) == self.events:
-            return
-        ids, upto = stream.output_token_ids, len(run.events)
-        step = json.dumps([run.events[self.events:], ids[self.tokens:],
-                           stream.reasoning_tokens])
-        self.events, self.tokens = upto, len(ids)
-
-        def written(answer: int | None) -> None:
-            if answer != 1:
-                # another replica took it over, or a step was not written (what comes
-                # after it cannot be continued elsewhere): no longer this one's record
-                self.owned = False
-                run.show()
-            else:
-                run.show(upto)
-        StepWriter.of(self.shared).write(self, step, written)
-
-    async def close(self) -> None:
-        """The run ended and its end is shared: the live record goes (a step still on
-        its way then finds no owner, and is not written)."""
-        was, self.owned = self.owned, False
-        if self.beat is not None:
-            self.beat.cancel()
-        if was:
-            await self.shared.delete(*(self.key(p) for p in (":owner", "", ":steps", ":alive")))
-
-
-class StepWriter:
-    """The live records' writes, sent as one script call for all that came in since the
-    last one was answered: with many responses streaming, about one Redis round trip
-    (and one command to pack) an engine step rather than one a response, and no wait
-    in any response's own loop. One call at a time, so each record's steps are written
-    in order."""
-
-    _of: weakref.WeakKeyDictionary[SharedState, StepWriter] = weakref.WeakKeyDictionary()
-
-    def __init__(self, shared: SharedState) -> None:
-        self.shared = shared
-        self.pending: list[tuple[LiveRecord, str, Callable[[int | None], None]]] = []
-        self.busy = False
-
-    @classmethod
-    def of(cls, shared: SharedState) -> StepWriter:
-        writer = cls._of.get(shared)
-        if writer is None:
-            writer = cls._of[shared] = cls(shared)
-        return writer
-
-    def write(self, record: LiveRecord, step: str, answered: Callable[[int | None], None]
-              ) -> None:
-        """Write `step` ("" renews the heartbeat) soon; `answered(1)` once written, 0 when
-        the record is not `record.me`'s, None when Redis did not answer."""
-        self.pending.append((record, step, answered))
-        if not self.busy:
-            self.busy = True
-            loop = asyncio.get_running_loop()  # (the batch goes once this turn is over)
-            loop.call_soon(lambda: _keep(loop.create_task(self._flush())))
-
-    async def _flush(self) -> None:
-        try:
-            while self.pending:
-                batch, self.pending = self.pending, []
-                keys = [k for r, _, _ in batch
-                        for k in (r.key(":owner"), r.key(":steps"), r.key(), r.key(":alive"))]
-                args: list[Any] = [LIVE_TTL, ALIVE_TTL]
-                for r, step, _ in batch:
-                    args += [r.me, step]
-                answer = await self.shared.run_script(_STEPS, keys, args)
-                for i, (_, _, answered) in enumerate(batch):
-                    answered(answer[i] if isinstance(answer, list) else None)
-        finally:
-            self.busy = False
 
 
 class ResponseStore:
@@ -743,7 +583,7 @@ class ResponseStore:
         for this key's tenant."""
         if self.shared is None:
             return None
-        live = LiveRecord(self.shared, rid, self.me)
+        live = self._live(rid)
         found = await self.shared.get_with_list(live.key(), live.key(":steps"))
         if found is None or found[0].get("tenant") != tenant:
             return None
@@ -754,9 +594,8 @@ class ResponseStore:
         record (None: another replica holds it, or it is gone). The run carries on its
         events and output, from the recorded tokens, and records on as the new owner."""
         assert self.shared is not None
-        live = LiveRecord(self.shared, rid, self.me)
-        if await self.shared.run_script(_TAKE, [live.key(":owner"), live.key(":alive")],
-                                        [self.me, ALIVE_TTL]) != 1:
+        live = self._live(rid)
+        if not await live.take():
             return None
         found = await self.shared.get_with_list(live.key(), live.key(":steps"))
         if found is None or found[0].get("tenant") != principal.tenant:
@@ -766,7 +605,6 @@ class ResponseStore:
         events = [e for step in recorded for e in step[0]]
         tokens = [t for step in recorded for t in step[1]]
         live.events, live.tokens = len(events), len(tokens)
-        live._beat()
         try:
             stream = await chat_turn.admit(gw, principal, _turn(gw, body,
                                                                 _messages(body, history)),
@@ -789,7 +627,7 @@ class ResponseStore:
         live record as they are recorded; when that replica's heartbeat stops, the
         response is taken over here (take_over) and followed to its end."""
         assert self.shared is not None
-        live = LiveRecord(self.shared, rid, self.me)
+        live = self._live(rid)
         events: list[str] = []
         steps_read, at = 0, after + 1
         while True:
@@ -820,6 +658,10 @@ class ResponseStore:
                 if await self.shared.exists(live.key()) is False:
                     return  # gone: ended and shared, or expired
             await asyncio.sleep(FOLLOW_POLL)
+
+    def _live(self, rid: str) -> LiveRecord:
+        assert self.shared is not None
+        return LiveRecord(self.shared, LIVE_PREFIX, rid, self.me, LIVE_TTL)
 
     async def forget(self, response_id: str, tenant: str) -> Run:
         """Remove a stored response, here and where it is shared."""
@@ -916,7 +758,7 @@ async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: d
     # WebSocket mode's (which resume after a dropped socket), with no tools
     resumable = bool(body.get("background")) or local is not None
     if stored and resumable and store.shared is not None and turn.tools is None:
-        live = LiveRecord(store.shared, run.id, store.me)
+        live = store._live(run.id)
         if await live.open({"tenant": principal.tenant, "body": body, "history": history,
                             "response": _snapshot(run.response)}):
             run.live, run.shown = live, 0  # (its followers get what is recorded)

@@ -1,17 +1,13 @@
 """State the replicas share, in the Redis the KV host tier uses (`--kv-tier redis`): small
-JSON records with a TTL. Two kinds live there:
+JSON records with a TTL:
 
-- the record of a resumable completion stream (service/sse_resume.py): its request once,
-  and the token ids of each event before the event is sent, so the record always holds
-  at least what the client has; a replica asked for a stream it does not hold continues
-  it from there (openai_api.stream_events), greedy and seeded text exactly the
-  uninterrupted run's;
-- stored Responses (service/responses_api.py), written when they end: their object,
-  events and conversation, so `previous_response_id`, GET (and its event replay) and
-  DELETE work on any replica;
-- the live record of a stored Response while it runs (responses_api.LiveRecord): its
-  request, its events and their token ids step by step, an owner and the owner's
-  heartbeat, so another replica follows it, and takes it over when the heartbeat stops.
+- live records (service/live_record.py) of running streams: a resumable completion
+  stream's (service/sse_resume.py) and a background or WebSocket-mode Response's
+  (service/responses_api.py): the request, each write's events and token ids, an owner
+  and its heartbeat, so another replica follows the stream while it runs and takes it
+  over when its replica dies, greedy and seeded text the uninterrupted run's;
+- stored Responses, written when they end: their object, events and conversation, so
+  `previous_response_id`, GET (and its event replay) and DELETE work on any replica.
 
 A Redis that fails costs only the sharing: each replica goes on with what it holds, and
 what only another held is not found (404); a warning is logged once per failure spell."""
@@ -70,20 +66,6 @@ class SharedState:
             await self.client.delete(*keys)
         except Exception as e:  # noqa: BLE001 - see put
             self._failed(f"deleting {keys[0]}", e)
-
-    async def push(self, key: str, value: Any, ttl: float, touch: tuple[str, ...] = ()) -> bool:
-        """Append `value` to the list at `key`; `key` and `touch` live `ttl` more seconds."""
-        try:
-            async with self.client.pipeline(transaction=False) as p:
-                p.rpush(key, json.dumps(value))
-                for k in (key, *touch):
-                    p.expire(k, max(int(ttl), 1))
-                await p.execute()
-            self._warned = False
-            return True
-        except Exception as e:  # noqa: BLE001 - see put
-            self._failed(f"appending to {key}", e)
-            return False
 
     async def run_script(self, source: str, keys: list[str], args: list[Any]) -> Any | None:
         """Run a Lua script (atomic on the server) and return its answer, or None when

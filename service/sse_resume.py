@@ -15,16 +15,23 @@ the record; each connection follows the record. When the last follower leaves, a
 of `resume_grace` seconds starts; a follower that comes back in time stops it, and
 otherwise the producer is cancelled, which aborts the request as a disconnect always
 did. At most `max_detached` streams (the socket's limit) run without a follower; past
-it (or past `max_detached_per_key` of one tenant's) a disconnect aborts at once."""
+it (or past `max_detached_per_key` of one tenant's) a disconnect aborts at once.
+
+With a shared state (the Redis host tier), a stream of one prompt and one choice keeps
+a live record there (service/live_record.py, `SseStreams.live`): another replica asked
+for it follows the record while this one runs it, and takes it over when this one dies
+(service/openai_api.py, `_continue`)."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from service.config import Limits
+from service.live_record import LiveRecord
 from service.protocol import ProtocolError
 from service.shared_state import SharedState
 
@@ -60,6 +67,7 @@ class SseStream:
     tenant: str
     events: list[str] = field(default_factory=list)
     ended: bool = False
+    shown: int = -1  # events its followers may have (-1: all; else those recorded)
     followers: int = 0
     task: asyncio.Task | None = None
     timer: asyncio.TimerHandle | None = None
@@ -76,8 +84,17 @@ class SseStream:
         self.ended = True
         self._wake.set()
 
+    def show(self, upto: int | None) -> None:
+        """Its events up to `upto` are recorded: its followers may have them (None: all,
+        as they come, recorded or not)."""
+        if self.shown >= 0:
+            self.shown = -1 if upto is None else max(self.shown, upto)
+            self._wake.set()
+
     async def follow(self, after: int) -> AsyncIterator[str]:
-        async for event in follow_events(self.events, lambda: self.ended, self._wake, after):
+        async for event in follow_events(
+                self.events, lambda: self.ended, self._wake, after,
+                lambda: len(self.events) if self.shown < 0 else self.shown):
             yield event
 
 
@@ -105,44 +122,33 @@ class SseStreams:
     def __init__(self, limits: Limits, shared: SharedState | None = None) -> None:
         """`shared`: where streams are recorded for the other replicas (None: nowhere,
         a stream resumes only here); a record lives 60 s (or the grace, if longer)
-        after its last event."""
+        after its last write."""
         self.limits, self.shared = limits, shared
         self.record_ttl = max(limits.resume_grace, 60.0)
+        self.me = uuid.uuid4().hex  # this process's name as a live record's owner
         self.streams: dict[str, SseStream] = {}
         self.detached = 0  # running with no follower now
         self.detached_by: dict[str, int] = {}  # of those, by tenant
 
-    async def record_request(self, stream_id: str, request: dict[str, object]) -> bool:
+    def live(self, stream_id: str) -> LiveRecord:
+        """A stream's live record (service/live_record.py): its request, then each
+        event and the output token ids it came from."""
         assert self.shared is not None
-        return await self.shared.put(RECORD_PREFIX + stream_id, request, self.record_ttl)
-
-    async def record_tokens(self, stream_id: str, token_ids: list[int]) -> bool:
-        """Append an event's token ids; on a failure the record is dropped (a gap would
-        continue the stream from the wrong tokens): False."""
-        assert self.shared is not None
-        if await self.shared.push(RECORD_PREFIX + stream_id + ":tokens", token_ids,
-                                  self.record_ttl, touch=(RECORD_PREFIX + stream_id,)):
-            return True
-        await self.shared.delete(RECORD_PREFIX + stream_id)
-        return False
-
-    async def load_record(self, stream_id: str) -> tuple[dict, list[int]] | None:
-        """A stream's recorded request and every token id recorded, or None."""
-        if self.shared is None:
-            return None
-        found = await self.shared.get_with_list(RECORD_PREFIX + stream_id,
-                                                RECORD_PREFIX + stream_id + ":tokens")
-        if found is None:
-            return None
-        return found[0], [t for piece in found[1] for t in piece]
+        return LiveRecord(self.shared, RECORD_PREFIX, stream_id, self.me, int(self.record_ttl))
 
     def start(self, stream_id: str, tenant: str, source: AsyncIterator[tuple[str, int]],
-              record: Callable[[int], Awaitable[None]] | None = None) -> SseStream:
-        """Run `source` ((event data, tokens so far) pairs) into a new record;
-        `record(tokens)`, awaited before each event is added, writes it elsewhere."""
-        s = SseStream(stream_id, tenant)
+              live: LiveRecord | None = None, token_ids: Callable[[], list[int]] | None = None,
+              events: list[str] | None = None) -> SseStream:
+        """Run `source` ((event data, tokens so far) pairs) into a new stream after
+        `events` (a stream taken over: those another replica sent); with `live`, each
+        event and `token_ids()` (all the output's so far) are recorded there, and its
+        followers get it once recorded."""
+        s = SseStream(stream_id, tenant, events=list(events or []))
+        if live is not None:
+            s.shown = len(s.events)
         self.streams[stream_id] = s
-        s.task = asyncio.get_running_loop().create_task(self._produce(s, source, record))
+        s.task = asyncio.get_running_loop().create_task(
+            self._produce(s, source, live, token_ids or list))
         return s
 
     def find(self, stream_id: str, tenant: str) -> SseStream:
@@ -205,14 +211,16 @@ class SseStreams:
             s.task.cancel()  # closes the endpoint's generator: the request is aborted
 
     async def _produce(self, s: SseStream, source: AsyncIterator[tuple[str, int]],
-                       record: Callable[[int], Awaitable[None]] | None) -> None:
+                       live: LiveRecord | None, token_ids: Callable[[], list[int]]) -> None:
         try:
             async for data, tokens in source:
-                if record is not None:
-                    await record(tokens)
                 s.add(data, tokens)
+                if live is not None:
+                    live.record(s.events, token_ids(), None, s.show)
         finally:
             s.end()
+            if live is not None:
+                live.end()
             self._attach(s)
             aclose = getattr(source, "aclose", None)
             if aclose is not None:

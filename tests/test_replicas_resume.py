@@ -57,18 +57,17 @@ def _continued(server) -> float:  # noqa: ANN001 - a RunningServer
     return server.gateway.metrics.resumes.labels("continued")._value.get()
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
-def test_a_dropped_stream_continues_on_another_replica(replicas, sampling: dict) -> None:
+def test_a_dropped_stream_is_followed_on_another_replica(replicas) -> None:
     """Two replicas on one Redis (the KV tier's): a stream that opted in on A records
-    its request and tokens there; its client drops after event 3 and reconnects to B
-    (which never saw it) with Last-Event-ID; B continues it from the tokens the client
-    had, and the text is the uninterrupted run's, one [DONE], ids continuing."""
-    body = {**BODY, **sampling}
+    its request, events and tokens there; its client drops after event 3 and reconnects
+    to B (which never saw it) with Last-Event-ID. A still runs it (its heartbeat lives),
+    so B follows A's record rather than computing it again: the text is the
+    uninterrupted run's, one [DONE], ids continuing, nothing continued on B."""
     a, b = replicas
     path = "/v1/chat/completions"
-    with stream("POST", a.url + path, body) as r:
+    with stream("POST", a.url + path, BODY) as r:
         whole = content(read(r))
-    with stream("POST", a.url + path, body, {"X-Tidewire-Resume": "1"}) as r:
+    with stream("POST", a.url + path, BODY, {"X-Tidewire-Resume": "1"}) as r:
         before = read(r, until_seq=3)
     cid = json.loads(before[0]["data"])["id"]
     continued = _continued(b)
@@ -76,16 +75,48 @@ def test_a_dropped_stream_continues_on_another_replica(replicas, sampling: dict)
                 {"Last-Event-ID": before[-1]["id"]}) as r:
         assert r.status == 200
         after = read(r)
-    assert _continued(b) == continued + 1  # B ran it, from the record
+    assert _continued(b) == continued  # followed, not run again
+    assert [int(e["id"].split(":")[0]) for e in after] == list(range(4, 4 + len(after)))
+    assert content(before) + content(after) == whole
+    assert [e["data"] for e in after].count("[DONE]") == 1
+    # ended: replayed from the record on B (SEQ alone is enough), or not found at all
+    with stream("GET", f"{b.url}{path}/{cid}/events?after=3") as r:
+        assert r.status == 200 and content(read(r)) == content(after)
+    with stream("GET", f"{b.url}{path}/{cid}/events?after=100000") as r:
+        assert r.status == 400  # past what was recorded
+    with stream("GET", f"{b.url}{path}/chatcmpl-nope/events?after=3:5") as r:
+        assert r.status == 404
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
+def test_a_stream_whose_replica_dies_is_taken_over(replicas, shared_redis, tiny_chat_model,
+                                                   sampling: dict) -> None:
+    """An opted-in stream on a third replica (a process of its own), which is killed
+    (SIGKILL) after event 3. Its client reconnects to B with Last-Event-ID: B follows the
+    record until the dead replica's heartbeat lapses, takes the stream over and
+    continues it from every recorded token: the text is the uninterrupted run's (greedy
+    and seeded), ids continue, one [DONE], the token count ends at max_tokens."""
+    a, b = replicas
+    body = {**BODY, **sampling}
+    path = "/v1/chat/completions"
+    with stream("POST", a.url + path, body) as r:
+        whole = content(read(r))
+    with _third_replica(shared_redis, tiny_chat_model) as third:
+        with stream("POST", third.url + path, body, {"X-Tidewire-Resume": "1"}) as r:
+            before = read(r, until_seq=3)
+            third.kill()
+    assert int(before[-1]["id"].split(":")[1]) < body["max_tokens"], "it ended first"
+    cid = json.loads(before[0]["data"])["id"]
+    continued = _continued(b)
+    with stream("GET", f"{b.url}{path}/{cid}/events", None,
+                {"Last-Event-ID": before[-1]["id"]}) as r:
+        assert r.status == 200
+        after = read(r)
+    assert _continued(b) == continued + 1  # B took it over
     assert [int(e["id"].split(":")[0]) for e in after] == list(range(4, 4 + len(after)))
     assert content(before) + content(after) == whole
     assert [e["data"] for e in after].count("[DONE]") == 1
     assert int(after[-2]["id"].split(":")[1]) == body["max_tokens"]
-    # a stream B cannot continue: no TOKENS in the id, or another id altogether
-    with stream("GET", f"{b.url}{path}/{cid}/events?after=3") as r:
-        assert r.status == 400
-    with stream("GET", f"{b.url}{path}/chatcmpl-nope/events?after=3:5") as r:
-        assert r.status == 404
 
 
 def test_the_python_sdk_resumes_through_a_cut_on_either_replica(replicas) -> None:
@@ -124,7 +155,7 @@ def test_the_python_sdk_resumes_through_a_cut_on_either_replica(replicas) -> Non
         proxy.stop()
     assert proxy.accepted == 3  # the POST, the reconnect to A, the one to B
     assert text == whole
-    assert _continued(b) == continued + 1
+    assert _continued(b) == continued  # (A lived: B followed its record)
 
 
 def test_responses_are_shared_by_replicas_on_one_redis(replicas) -> None:
@@ -219,6 +250,14 @@ def test_a_running_response_is_followed_from_another_replica(replicas) -> None:
     assert _continued(b) == continued  # followed, not taken over
 
 
+def _third_replica(redis, model):  # noqa: ANN001, ANN202 - a RedisServer, a model dir
+    from tests.servers import ServeProcess
+
+    return ServeProcess("--model", str(model), "--dtype", "float32", "--served-model-name",
+                        TINY, "--kv-tier", "redis", "--redis-url", redis.url,
+                        "--resume-grace", "30", "--no-kv-prefault")
+
+
 def _kill_mid_response(replica, body: dict, after: int) -> tuple[str, list[dict]]:  # noqa: ANN001
     """Start `body` on `replica` (a process), read its events to `after`, kill it."""
     with stream("POST", replica.url + "/v1/responses", body) as r:
@@ -236,16 +275,12 @@ def test_a_response_whose_replica_dies_is_taken_over(replicas, shared_redis, tin
     follows the live record until the dead replica's heartbeat lapses, takes it over,
     and continues it from the recorded tokens: sequence numbers run on, the text is the
     uninterrupted run's, one end; the stored response is then B's, on any replica."""
-    from tests.servers import ServeProcess
 
     a, b = replicas
     body = {**RESPONSE, **sampling}
     with stream("POST", a.url + "/v1/responses", body) as r:
         whole = response_events(r)
-    third = ServeProcess("--model", str(tiny_chat_model), "--dtype", "float32",
-                         "--served-model-name", TINY, "--kv-tier", "redis", "--redis-url",
-                         shared_redis.url, "--resume-grace", "30", "--no-kv-prefault")
-    with third:
+    with _third_replica(shared_redis, tiny_chat_model) as third:
         rid, before = _kill_mid_response(third, body, after=8)
     continued, started = _continued(b), time.monotonic()
     with stream("GET", f"{b.url}/v1/responses/{rid}?stream=true&starting_after=8") as r:

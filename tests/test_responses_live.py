@@ -12,8 +12,8 @@ import time
 import pytest
 
 from service.chat_turn import ReasoningDelta, TextDelta
-from service.responses_api import (_TAKE, ALIVE_TTL, LiveRecord, ResponseStore, Run, Writer,
-                                   _snapshot)
+from service.live_record import ALIVE_TTL, TAKE, LiveRecord
+from service.responses_api import LIVE_PREFIX, ResponseStore, Run, Writer, _snapshot
 from service.shared_state import SharedState
 from tests.servers import RedisServer, apoll
 
@@ -74,27 +74,25 @@ def shared():
 
 async def test_the_live_record_has_one_owner_and_changes_hands_only_when_it_lapses(
         shared: SharedState) -> None:
-    run, stream = _run(), _Stream()
-    owner = LiveRecord(shared, run.id, "replica-a")
+    run = _run()
+    owner = LiveRecord(shared, LIVE_PREFIX, run.id, "replica-a", 600)
     assert await owner.open({"tenant": "tenant"})
     owner.beat.cancel()  # (heartbeats by hand below)
     run.shown = 0  # (as start() has it: followers get what is recorded)
     run.emit("response.created", {"response": {}})
-    stream.ids = [5, 6]
-    owner.step(run, stream)
+    owner.record(run.events, [5, 6], 0, run.show)
     assert run.shown == 0  # not yet written
     await apoll(lambda: run.shown == 1, 10, "the step written")
     assert owner.tokens == 2
     keys = [owner.key(":owner"), owner.key(":alive")]
     # alive: nobody takes it
-    assert await shared.run_script(_TAKE, keys, ["replica-b", ALIVE_TTL]) == 0
+    assert await shared.run_script(TAKE, keys, ["replica-b", ALIVE_TTL]) == 0
     await shared.delete(owner.key(":alive"))  # (its heartbeat lapsed)
-    assert await shared.run_script(_TAKE, keys, ["replica-b", ALIVE_TTL]) == 1
-    assert await shared.run_script(_TAKE, keys, ["replica-c", ALIVE_TTL]) == 0  # one taker
+    assert await shared.run_script(TAKE, keys, ["replica-b", ALIVE_TTL]) == 1
+    assert await shared.run_script(TAKE, keys, ["replica-c", ALIVE_TTL]) == 0  # one taker
     # the old owner's next step is refused; its events still go out (shown), unrecorded
     run.emit("response.in_progress", {"response": {}})
-    stream.ids = [5, 6, 7]
-    owner.step(run, stream)
+    owner.record(run.events, [5, 6, 7], 0, run.show)
     await apoll(lambda: not owner.owned, 10, "the step refused")
     assert run.shown == -1  # (every event goes out as it comes now)
     steps = await shared.get_with_list(owner.key(), owner.key(":steps"))
@@ -103,14 +101,3 @@ async def test_the_live_record_has_one_owner_and_changes_hands_only_when_it_laps
     await owner.close()  # not the owner: B's record stays
     assert await shared.exists(owner.key()) is True
     await shared.client.aclose()
-
-
-class _Stream:
-    """What LiveRecord.step reads of a TurnStream."""
-
-    ids: list[int] = []
-    reasoning_tokens = 0
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.ids
