@@ -9,7 +9,7 @@ are the chat endpoint's, so every API sees the same model output the same way.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,10 +123,11 @@ class TurnStream:
                 yield event
 
     @property
-    def output_token_ids(self) -> list[int]:
-        """The output token ids so far (all of them: what was continued, too)."""
+    def output_token_ids(self) -> Sequence[int]:
+        """The output token ids so far (all of them: what was continued, too; the
+        engine's own list, not a copy)."""
         last = self.job.last
-        return list(last.outputs[0].token_ids) if last is not None else []
+        return last.outputs[0].token_ids if last is not None else ()
 
     async def batches(self) -> AsyncIterator[list[Event]]:
         """The events each engine output brings, as one list (maybe empty): after a

@@ -28,15 +28,16 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from service.shared_state import SharedState
 
-ALIVE_TTL = 3  # seconds the owner's heartbeat lasts: past it, another replica may take over
+ALIVE_TTL = 5  # seconds the owner's heartbeat lasts: past it, another replica may take over
 BEAT_EVERY = 1.0  # seconds between heartbeats
 FOLLOW_POLL = 0.1  # seconds between a cross-replica follower's reads of the record
+WATCHED_TTL = 3  # seconds a follower elsewhere counts as following after its last read
 END = "!"  # the step that ends a record (a `null` entry; owner and heartbeat go)
 
 # Writes of several records at once. KEYS: per record owner, steps, request, alive. ARGV:
@@ -95,7 +96,9 @@ class LiveRecord:
     events: int = 0  # the stream's events recorded (or on their way)
     tokens: int = 0  # its output tokens recorded (or on their way)
     owned: bool = True
+    broken: bool = False  # a write failed: the record ends at the gap (end, or the beat)
     beat: asyncio.Task | None = None
+    on_lost: Callable[[], None] | None = None  # called once another replica took it
 
     def key(self, part: str = "") -> str:
         return f"{self.prefix}{self.rid}{part}"
@@ -118,64 +121,99 @@ class LiveRecord:
             self._beat()
         return ok == 1
 
+    def release(self) -> None:
+        """Stop writing it (its heartbeat lapses: another replica may take it)."""
+        self.owned = False
+        if self.beat is not None:
+            self.beat.cancel()
+
     def _beat(self) -> None:
         async def beat() -> None:
-            while self.owned:
+            # its own call, not queued behind steps: a slow batch does not stop it
+            keys = [self.key(":owner"), self.key(":steps"), self.key(), self.key(":alive")]
+            while True:
                 await asyncio.sleep(BEAT_EVERY)
-                StepWriter.of(self.shared).write(self, "", self._lost_if_refused)
+                if not self.owned:
+                    return
+                if self.broken:  # (Redis answers again, maybe: end the record at its gap)
+                    self.end()
+                    return
+                answer = await self.shared.run_script(_STEPS, keys,
+                                                      [ALIVE_TTL, self.me, "", self.ttl])
+                if isinstance(answer, list) and answer[0] == 0:
+                    self._lose()
+                    return
         self.beat = asyncio.get_running_loop().create_task(beat())
 
-    def _lost_if_refused(self, answer: int | None) -> None:
-        if answer == 0:  # another replica took it over
-            self.owned = False
+    def _lose(self) -> None:
+        """Another replica took it over (this one stalled past the heartbeat): stop."""
+        if self.owned:
+            self.release()
+            if self.on_lost is not None:
+                self.on_lost()
 
-    def record(self, events: list[str], token_ids: list[int], extra: Any,
+    def record(self, events: list[str], token_ids: Sequence[int], extra: Any,
                show: Callable[[int | None], None]) -> None:
         """Write the events after the `events` recorded (all of `events` so far) and the
-        token ids after `tokens`; `show(len(events))` once written, `show(None)` when the
-        record is not this writer's any more (another replica took it, or a write
-        failed: what comes after it cannot be continued elsewhere), and the stream
-        shows everything as it comes from then on."""
-        if not self.owned:
+        token ids after `tokens`; `show(len(events))` once written. When a write fails
+        the record ends where it was (`broken`; what comes after a gap cannot be
+        continued elsewhere) and `show(None)`: the stream shows everything as it comes."""
+        if not self.owned or self.broken:
             show(None)
             return
         if len(events) == self.events:
             return
-        upto = len(events)
-        step = json.dumps([events[self.events:], token_ids[self.tokens:], extra])
-        self.events, self.tokens = upto, len(token_ids)
+        upto, tokens = len(events), max(len(token_ids), self.tokens)
+        step = json.dumps([events[self.events:], list(token_ids[self.tokens:tokens]), extra])
+        self.events, self.tokens = upto, tokens
 
         def written(answer: int | None) -> None:
-            if answer != 1:
-                self.owned = False
-                show(None)
-            else:
+            if answer == 1:
                 show(upto)
+                return
+            show(None)
+            if answer == 0:
+                self._lose()
+            else:
+                self.broken = True
         StepWriter.of(self.shared).write(self, step, written)
 
-    def end(self) -> None:
-        """The stream ended: an end entry after its last step; the request and the steps
-        stay `ttl` seconds for replays, owner and heartbeat go."""
-        if self.beat is not None:
+    def end(self, done: Callable[[], None] | None = None) -> None:
+        """The stream ended (or its record broke): an end entry after its last step; the
+        request and the steps stay `ttl` seconds for replays, owner and heartbeat go.
+        `done()` once that is answered (at once when the record is not this one's):
+        the stream's last events are recorded by then."""
+        if self.beat is not None and self.beat is not asyncio.current_task():
             self.beat.cancel()
-        if self.owned:
-            self.owned = False
-            StepWriter.of(self.shared).write(self, END, lambda answer: None)
+        if not self.owned:
+            if done is not None:
+                done()
+            return
+        self.owned = False
+        StepWriter.of(self.shared).write(self, END, lambda answer: done() if done else None)
 
     async def close(self) -> None:
         """The stream ended and is shared elsewhere: the whole record goes (a write
         still on its way then finds no owner, and is not done)."""
-        was, self.owned = self.owned, False
-        if self.beat is not None:
-            self.beat.cancel()
+        was = self.owned
+        self.release()
         if was:
             await self.shared.delete(*(self.key(p) for p in (":owner", "", ":steps", ":alive")))
 
     async def read(self, start: int) -> tuple[Any, list[Any], bool] | None:
         """The request, the steps from index `start` (an ended record's last is None)
-        and whether the owner's heartbeat lives; None when Redis did not answer."""
+        and whether the owner's heartbeat lives, read by a follower elsewhere (which
+        marks the record watched for WATCHED_TTL seconds); None when Redis did not
+        answer."""
         return await self.shared.read_from(self.key(), self.key(":steps"), start,
-                                           self.key(":alive"))
+                                           self.key(":alive"), self.key(":watched"),
+                                           WATCHED_TTL)
+
+    async def watched(self) -> bool:
+        """Whether a follower on another replica read it in the last WATCHED_TTL
+        seconds (its owner then keeps the stream running, as for a follower of its
+        own)."""
+        return await self.shared.exists(self.key(":watched")) is True
 
 
 class StepWriter:

@@ -10,7 +10,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from starlette.requests import Request
@@ -134,9 +134,9 @@ async def _admit(gw: Gateway, principal: Any, body: dict[str, Any], chat: bool,
     return jobs, table, tools
 
 
-def _token_ids(job: Job) -> Callable[[], list[int]]:
-    """The job's output token ids so far (one prompt, one choice)."""
-    return lambda: list(job.last.outputs[0].token_ids) if job.last is not None else []
+def _token_ids(job: Job) -> Callable[[], Sequence[int]]:
+    """The job's output token ids so far (one prompt, one choice; not a copy)."""
+    return lambda: job.last.outputs[0].token_ids if job.last is not None else ()
 
 
 def _event_stream(events: AsyncIterator[str]) -> StreamingResponse:
@@ -251,7 +251,12 @@ async def _follow_live(gw: Gateway, streams: sse_resume.SseStreams, principal: A
         if ended:
             return
         if not alive:
-            s = await _take_over(gw, streams, principal, live, record)
+            try:
+                s = await _take_over(gw, streams, principal, live, record)
+            except ProtocolError as e:  # (the 200 went out: the error is the last event)
+                gw.metrics.errors.labels(e.code).inc()
+                yield f"data: {json.dumps(_error_body(e))}\n\n"
+                return
             if s is not None:
                 async for event in streams.follow(s, at - 1):
                     yield event
@@ -274,9 +279,9 @@ async def _take_over(gw: Gateway, streams: sse_resume.SseStreams, principal: Any
         return None
     got = await live.read(0)
     if got is None:
-        live.owned = False  # (Redis is failing: its heartbeat stops, another may try later)
+        live.release()  # (Redis is failing: another try may take it later)
         return None
-    steps = got[1]
+    steps = [step for step in got[1] if step is not None]
     events = [e for step in steps for e in step[0]]
     tokens = [t for step in steps for t in step[1]]
     live.events, live.tokens = len(events), len(tokens)
@@ -284,7 +289,7 @@ async def _take_over(gw: Gateway, streams: sse_resume.SseStreams, principal: Any
     try:
         jobs, table, tools = await _admit(gw, principal, body, chat, tokens)
     except BaseException:
-        live.owned = False  # (its heartbeat stops: another try may take it)
+        live.release()  # (another try may take it)
         raise
     gw.metrics.resumes.labels("continued").inc()
     meta = {"id": live.rid, "created": record["created"], "model": gw.config.model_name}

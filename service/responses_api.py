@@ -50,7 +50,7 @@ from service import chat_turn, openai_request
 from service import tools as tool_calls
 from service.chat_turn import CallArguments, CallStart, ReasoningDelta, TextDelta, Turn
 from service.gateway import Gateway, Principal
-from service.live_record import FOLLOW_POLL, LiveRecord
+from service.live_record import FOLLOW_POLL, WATCHED_TTL, LiveRecord
 from service.openai_api import HTTP_STATUS, error_json, error_response
 from service.origins import origin_allowed
 from service.protocol import MAX_MESSAGES, ProtocolError
@@ -304,8 +304,23 @@ class Run:
         if grace <= 0 or not self.response["store"]:
             self.cancel()
             return
-        asyncio.get_running_loop().call_later(
-            grace, lambda: self.cancel() if not self.followers else None)
+        asyncio.get_running_loop().call_later(grace, self._stop_unfollowed, grace)
+
+    def _stop_unfollowed(self, grace: float) -> None:
+        if self.ended or self.followers:
+            return
+        live = self.live
+        if live is None or not live.owned:
+            self.cancel()
+            return
+
+        async def unless_watched() -> None:  # (followed on another replica, maybe)
+            assert live is not None
+            if await live.watched():
+                asyncio.get_running_loop().call_later(grace, self._stop_unfollowed, grace)
+            elif not self.followers:
+                self.cancel()
+        _keep(asyncio.get_running_loop().create_task(unless_watched()))
 
     def cancel(self) -> None:
         if not self.ended and self.stream is not None:
@@ -587,7 +602,7 @@ class ResponseStore:
         found = await self.shared.get_with_list(live.key(), live.key(":steps"))
         if found is None or found[0].get("tenant") != tenant:
             return None
-        return found[0], [e for step in found[1] for e in step[0]]
+        return found[0], [e for step in found[1] if step is not None for e in step[0]]
 
     async def take_over(self, gw: Gateway, principal: Principal, rid: str) -> Run | None:
         """Continue here a response whose owner's heartbeat stopped, from its live
@@ -599,9 +614,11 @@ class ResponseStore:
             return None
         found = await self.shared.get_with_list(live.key(), live.key(":steps"))
         if found is None or found[0].get("tenant") != principal.tenant:
+            live.release()  # (another try may take it)
             return None
         request, recorded = found
         body, history = request["body"], request["history"]
+        recorded = [step for step in recorded if step is not None]
         events = [e for step in recorded for e in step[0]]
         tokens = [t for step in recorded for t in step[1]]
         live.events, live.tokens = len(events), len(tokens)
@@ -610,12 +627,13 @@ class ResponseStore:
                                                                 _messages(body, history)),
                                            continued=tokens)
         except BaseException:
-            live.owned = False  # (its heartbeat stops: another try may take it)
+            live.release()  # (another try may take it)
             raise
         stream.reasoning_tokens = recorded[-1][2] if recorded else 0
         run = Run(request["response"], principal.tenant, history, events=events,
                   stream=stream, live=live, shown=len(events))
         self.add(run)
+        self._watch(run)
         run.task = asyncio.get_running_loop().create_task(
             produce(gw, run, Writer.replayed(run) if events else None))
         gw.metrics.resumes.labels("continued").inc()
@@ -629,10 +647,11 @@ class ResponseStore:
         assert self.shared is not None
         live = self._live(rid)
         events: list[str] = []
-        steps_read, at = 0, after + 1
+        steps_read, at, gone = 0, after + 1, False
         while True:
             got = await self.shared.read_from(RECORD_PREFIX + rid, live.key(":steps"),
-                                              steps_read, live.key(":alive"))
+                                              steps_read, live.key(":alive"),
+                                              live.key(":watched"), WATCHED_TTL)
             if got is None:
                 return  # Redis is down: what was read is all this follower gets
             ended, recorded, alive = got
@@ -641,12 +660,20 @@ class ResponseStore:
                     yield event
                 return
             steps_read += len(recorded)
-            events += [e for step in recorded for e in step[0]]
+            events += [e for step in recorded if step is not None for e in step[0]]
             while at < len(events):
                 at += 1
                 yield events[at - 1]
+            if gone:
+                return  # (and its end was not shared either)
             if not alive:
-                run = await self.take_over(gw, principal, rid)
+                try:
+                    run = await self.take_over(gw, principal, rid)
+                except ProtocolError as e:  # (the 200 went out: the error is the last event)
+                    gw.metrics.errors.labels(e.code).inc()
+                    yield json.dumps({"type": "error", "code": e.code, "message": e.message,
+                                      "param": None, "sequence_number": at})
+                    return
                 if run is not None:
                     try:
                         async for event in run.follow(at - 1):
@@ -655,9 +682,22 @@ class ResponseStore:
                         if not run.response["background"]:
                             run.linger(gw.config.limits.resume_grace)
                     return
-                if await self.shared.exists(live.key()) is False:
-                    return  # gone: ended and shared, or expired
+                # gone: ended and shared (read once more), or expired
+                gone = await self.shared.exists(live.key()) is False
+                if gone:
+                    continue
             await asyncio.sleep(FOLLOW_POLL)
+
+    def _watch(self, run: Run) -> None:
+        """When another replica takes `run` over (this one stalled past its heartbeat),
+        it stops here and is that one's."""
+        assert run.live is not None
+
+        def lost() -> None:
+            if self._runs.get(run.id) is run:
+                del self._runs[run.id]
+            run.cancel()
+        run.live.on_lost = lost
 
     def _live(self, rid: str) -> LiveRecord:
         assert self.shared is not None
@@ -762,6 +802,7 @@ async def start(gw: Gateway, store: ResponseStore, principal: Principal, body: d
         if await live.open({"tenant": principal.tenant, "body": body, "history": history,
                             "response": _snapshot(run.response)}):
             run.live, run.shown = live, 0  # (its followers get what is recorded)
+            store._watch(run)
     if not driven:
         run.task = asyncio.get_running_loop().create_task(produce(gw, run))
     return run

@@ -81,16 +81,20 @@ class SharedState:
             self._failed("a script", e)
             return None
 
-    async def read_from(self, key: str, list_key: str, start: int, flag: str
+    async def read_from(self, key: str, list_key: str, start: int, flag: str,
+                        mark: str | None = None, mark_ttl: int = 1
                         ) -> tuple[Any, list[Any], bool] | None:
         """The record at `key`, the items of the list at `list_key` from index `start`
-        and whether `flag` exists, read together; None when Redis did not answer."""
+        and whether `flag` exists, read together (and `mark` set for `mark_ttl`
+        seconds); None when Redis did not answer."""
         try:
             async with self.client.pipeline(transaction=False) as p:
                 p.get(key)
                 p.lrange(list_key, start, -1)
                 p.exists(flag)
-                raw, items, there = await p.execute()
+                if mark is not None:
+                    p.set(mark, 1, ex=mark_ttl)
+                raw, items, there = (await p.execute())[:3]
         except Exception as e:  # noqa: BLE001 - see put
             self._failed(f"reading {key}", e)
             return None

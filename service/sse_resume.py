@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from service.config import Limits
@@ -68,6 +68,7 @@ class SseStream:
     events: list[str] = field(default_factory=list)
     ended: bool = False
     shown: int = -1  # events its followers may have (-1: all; else those recorded)
+    live: LiveRecord | None = None  # its live record, when it has one
     followers: int = 0
     task: asyncio.Task | None = None
     timer: asyncio.TimerHandle | None = None
@@ -137,18 +138,25 @@ class SseStreams:
         return LiveRecord(self.shared, RECORD_PREFIX, stream_id, self.me, int(self.record_ttl))
 
     def start(self, stream_id: str, tenant: str, source: AsyncIterator[tuple[str, int]],
-              live: LiveRecord | None = None, token_ids: Callable[[], list[int]] | None = None,
+              live: LiveRecord | None = None,
+              token_ids: Callable[[], Sequence[int]] | None = None,
               events: list[str] | None = None) -> SseStream:
         """Run `source` ((event data, tokens so far) pairs) into a new stream after
         `events` (a stream taken over: those another replica sent); with `live`, each
         event and `token_ids()` (all the output's so far) are recorded there, and its
         followers get it once recorded."""
-        s = SseStream(stream_id, tenant, events=list(events or []))
+        s = SseStream(stream_id, tenant, events=list(events or []), live=live)
         if live is not None:
             s.shown = len(s.events)
+
+            def lost() -> None:  # another replica took it over: it is that one's now
+                if self.streams.get(stream_id) is s:
+                    del self.streams[stream_id]
+                self._stop(s)
+            live.on_lost = lost
         self.streams[stream_id] = s
         s.task = asyncio.get_running_loop().create_task(
-            self._produce(s, source, live, token_ids or list))
+            self._produce(s, source, live, token_ids or tuple))
         return s
 
     def find(self, stream_id: str, tenant: str) -> SseStream:
@@ -199,8 +207,21 @@ class SseStreams:
 
     def _expire(self, s: SseStream) -> None:
         s.timer = None
+        if s.live is not None and s.live.owned:  # followed on another replica, maybe
+            asyncio.get_running_loop().create_task(self._expire_unless_watched(s))
+            return
         self._count(s, -1)
         self._stop(s)
+
+    async def _expire_unless_watched(self, s: SseStream) -> None:
+        assert s.live is not None
+        if not s.ended and s.timer is None and await s.live.watched():
+            s.timer = asyncio.get_running_loop().call_later(self.limits.resume_grace,
+                                                            self._expire, s)
+            return
+        if s.timer is None:  # (not followed here again meanwhile)
+            self._count(s, -1)
+            self._stop(s)
 
     def cancel(self, s: SseStream) -> None:
         """Stop a stream now (its client says it is done with it), followed or not."""
@@ -211,20 +232,26 @@ class SseStreams:
             s.task.cancel()  # closes the endpoint's generator: the request is aborted
 
     async def _produce(self, s: SseStream, source: AsyncIterator[tuple[str, int]],
-                       live: LiveRecord | None, token_ids: Callable[[], list[int]]) -> None:
+                       live: LiveRecord | None, token_ids: Callable[[], Sequence[int]]
+                       ) -> None:
         try:
             async for data, tokens in source:
                 s.add(data, tokens)
                 if live is not None:
                     live.record(s.events, token_ids(), None, s.show)
         finally:
-            s.end()
             if live is not None:
-                live.end()
+                live.end(s.end)  # (its last events shown once recorded)
+            else:
+                s.end()
             self._attach(s)
             aclose = getattr(source, "aclose", None)
             if aclose is not None:
                 await aclose()
             # replayable for the grace period, then gone
             asyncio.get_running_loop().call_later(max(self.limits.resume_grace, 0.0),
-                                                  self.streams.pop, s.id, None)
+                                                  self._forget, s)
+
+    def _forget(self, s: SseStream) -> None:
+        if self.streams.get(s.id) is s:  # (not one continued here since under its id)
+            del self.streams[s.id]

@@ -1,7 +1,9 @@
-"""The parts that let another replica carry on a running Response
-(service/responses_api.py): the Writer rebuilt from recorded events, and the live
-record's ownership on a real Redis (one owner; a taker only once the owner's heartbeat
-has lapsed; an owner that lost the record stops writing to it). The whole path, with a
+"""The parts that let another replica follow and carry on a running stream
+(service/live_record.py, service/responses_api.py, service/sse_resume.py): the Writer
+rebuilt from recorded events; the live record's ownership on a real Redis (one owner; a
+taker only once the owner's heartbeat has lapsed; an owner that lost the record stops
+writing to it); a failed write showing every event; a follower elsewhere keeping a
+stream alive past its grace; stored responses' per-tenant share. The whole path, with a
 replica killed mid-stream, is in tests/test_replicas_resume.py."""
 
 from __future__ import annotations
@@ -100,4 +102,60 @@ async def test_the_live_record_has_one_owner_and_changes_hands_only_when_it_laps
     assert await shared.client.get(owner.key(":owner")) == b"replica-b"
     await owner.close()  # not the owner: B's record stays
     assert await shared.exists(owner.key()) is True
+    await shared.client.aclose()
+
+
+async def test_a_write_that_fails_breaks_the_record_and_shows_everything() -> None:
+    """Redis gone mid-stream: the step is not recorded, the record is marked broken (it
+    will end at that gap), and the stream's followers get every event as it comes."""
+    redis = RedisServer().start()
+    shared = SharedState(redis.url, 0.5)
+    try:
+        run = _run()
+        live = LiveRecord(shared, LIVE_PREFIX, run.id, "replica-a", 600)
+        assert await live.open({"tenant": "tenant"})
+        run.shown = 0
+        run.emit("response.created", {"response": {}})
+        live.record(run.events, [1], 0, run.show)
+        await apoll(lambda: run.shown == 1, 10, "the first step written")
+        redis.stop()
+        run.emit("response.in_progress", {"response": {}})
+        live.record(run.events, [1, 2], 0, run.show)
+        await apoll(lambda: live.broken, 10, "the failed write seen")
+        assert run.shown == -1 and live.owned  # (its beat ends the record at the gap)
+        live.release()
+    finally:
+        redis.stop()
+        await shared.client.aclose()
+
+
+async def test_a_stream_followed_on_another_replica_outlives_its_grace(
+        shared: SharedState) -> None:
+    """A resumable stream whose client left runs on past its grace while a follower on
+    another replica reads its live record (each read marks it watched), and stops a
+    grace after the reads stop."""
+    import asyncio
+
+    from service.config import Limits
+    from service.sse_resume import RECORD_PREFIX, SseStreams
+
+    streams = SseStreams(Limits(resume_grace=0.3), shared)
+    hold = asyncio.Event()
+
+    async def endless():  # noqa: ANN202 - an event source that waits
+        yield "data: {}\n\n", 1
+        await hold.wait()
+
+    live = streams.live("chatcmpl-w")
+    assert await live.open({"tenant": ""})
+    s = streams.start("chatcmpl-w", "", endless(), live, lambda: [7])
+    async for _ in streams.follow(s, -1):
+        break  # its client leaves after the first event: the grace starts
+    elsewhere = LiveRecord(shared, RECORD_PREFIX, "chatcmpl-w", "replica-b", 60)
+    for _ in range(12):  # 1.2 s of reads, four graces
+        assert (await elsewhere.read(0)) is not None
+        await asyncio.sleep(0.1)
+    assert not s.task.done()  # kept running for the follower elsewhere
+    await apoll(lambda: s.task.done(), 10, "the stream stopped once nobody read it")
+    assert s.ended or (await apoll(lambda: s.ended, 10, "its end recorded"))
     await shared.client.aclose()
