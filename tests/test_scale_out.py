@@ -52,6 +52,21 @@ def topo(replica_args, tmp_path_factory) -> Topology:  # noqa: ANN001
         t.stop()
 
 
+@pytest.fixture(autouse=True)
+def _replicas_back(request):  # noqa: ANN001, ANN202
+    """After each test, a replica it killed and left dead (a failed assertion before its
+    restart) is started again, so one failure does not fail the tests after it."""
+    yield
+    if "topo" not in request.fixturenames:
+        return
+    t = request.getfixturevalue("topo")
+    dead = [i for i, r in enumerate(t.replicas) if r.proc is None or r.proc.poll() is not None]
+    for i in dead:
+        t.restart(i)
+    if dead:
+        t.wait_routed(set(t.addresses))
+
+
 def prompt_tokens(replica) -> float:  # noqa: ANN001 - a ServeProcess
     return scrape_metrics(replica.url).get("tidewire_prompt_tokens_total", 0.0)
 
