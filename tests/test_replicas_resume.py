@@ -57,6 +57,20 @@ def _continued(server) -> float:  # noqa: ANN001 - a RunningServer
     return server.gateway.metrics.resumes.labels("continued")._value.get()
 
 
+def _resumed_on(server, path: str, before: list[dict]) -> tuple[str, list[dict], float]:  # noqa: ANN001
+    """A dropped stream's id, the events `server` sends after `before` (asked with
+    Last-Event-ID: their ids run on from it) and the streams it continued meanwhile."""
+    cid = json.loads(before[0]["data"])["id"]
+    continued = _continued(server)
+    with stream("GET", f"{server.url}{path}/{cid}/events", None,
+                {"Last-Event-ID": before[-1]["id"]}) as r:
+        assert r.status == 200
+        after = read(r)
+    first = int(before[-1]["id"].split(":")[0]) + 1
+    assert [int(e["id"].split(":")[0]) for e in after] == list(range(first, first + len(after)))
+    return cid, after, _continued(server) - continued
+
+
 def test_a_dropped_stream_is_followed_on_another_replica(replicas) -> None:
     """Two replicas on one Redis (the KV tier's): a stream that opted in on A records
     its request, events and tokens there; its client drops after event 3 and reconnects
@@ -69,14 +83,8 @@ def test_a_dropped_stream_is_followed_on_another_replica(replicas) -> None:
         whole = content(read(r))
     with stream("POST", a.url + path, BODY, {"X-Tidewire-Resume": "1"}) as r:
         before = read(r, until_seq=3)
-    cid = json.loads(before[0]["data"])["id"]
-    continued = _continued(b)
-    with stream("GET", f"{b.url}{path}/{cid}/events", None,
-                {"Last-Event-ID": before[-1]["id"]}) as r:
-        assert r.status == 200
-        after = read(r)
-    assert _continued(b) == continued  # followed, not run again
-    assert [int(e["id"].split(":")[0]) for e in after] == list(range(4, 4 + len(after)))
+    cid, after, continued = _resumed_on(b, path, before)
+    assert continued == 0  # followed, not run again
     assert content(before) + content(after) == whole
     assert [e["data"] for e in after].count("[DONE]") == 1
     # ended: replayed from the record on B (SEQ alone is enough), or not found at all
@@ -106,14 +114,8 @@ def test_a_stream_whose_replica_dies_is_taken_over(replicas, shared_redis, tiny_
             before = read(r, until_seq=3)
             third.kill()
     assert int(before[-1]["id"].split(":")[1]) < body["max_tokens"], "it ended first"
-    cid = json.loads(before[0]["data"])["id"]
-    continued = _continued(b)
-    with stream("GET", f"{b.url}{path}/{cid}/events", None,
-                {"Last-Event-ID": before[-1]["id"]}) as r:
-        assert r.status == 200
-        after = read(r)
-    assert _continued(b) == continued + 1  # B took it over
-    assert [int(e["id"].split(":")[0]) for e in after] == list(range(4, 4 + len(after)))
+    _, after, continued = _resumed_on(b, path, before)
+    assert continued == 1  # B took it over
     assert content(before) + content(after) == whole
     assert [e["data"] for e in after].count("[DONE]") == 1
     assert int(after[-2]["id"].split(":")[1]) == body["max_tokens"]
