@@ -241,9 +241,7 @@ def one_thread_beside_the_soak(background_soak):
             os.environ["OMP_NUM_THREADS"] = env
 
 
-@pytest.fixture()
-def redis_server():
-    """A fresh real redis-server on a free port, stopped afterwards."""
+def _redis():  # noqa: ANN202 - a generator of one RedisServer
     from tests.servers import RedisServer
 
     server = RedisServer().start()
@@ -251,3 +249,15 @@ def redis_server():
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture()
+def redis_server():
+    """A fresh real redis-server on a free port, stopped afterwards."""
+    yield from _redis()
+
+
+@pytest.fixture(scope="module")
+def module_redis():
+    """A real redis-server on a free port for a module's tests, stopped after them."""
+    yield from _redis()

@@ -35,20 +35,9 @@ def _replica_config(model, redis_url: str) -> ServiceConfig:  # noqa: ANN001 - a
 
 
 @pytest.fixture(scope="module")
-def shared_redis():
-    from tests.servers import RedisServer
-
-    redis = RedisServer().start()
-    try:
-        yield redis
-    finally:
-        redis.stop()
-
-
-@pytest.fixture(scope="module")
-def replicas(tiny_chat_model, shared_redis):
+def replicas(tiny_chat_model, module_redis):
     """Two replicas on one Redis (the KV tier's, and the streams' records)."""
-    config = _replica_config(tiny_chat_model, shared_redis.url)
+    config = _replica_config(tiny_chat_model, module_redis.url)
     with run_server(config) as a, run_server(config) as b:
         yield a, b
 
@@ -97,7 +86,7 @@ def test_a_dropped_stream_is_followed_on_another_replica(replicas) -> None:
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
-def test_a_stream_whose_replica_dies_is_taken_over(replicas, shared_redis, tiny_chat_model,
+def test_a_stream_whose_replica_dies_is_taken_over(replicas, module_redis, tiny_chat_model,
                                                    sampling: dict) -> None:
     """An opted-in stream on a third replica (a process of its own), which is killed
     (SIGKILL) after event 3. Its client reconnects to B with Last-Event-ID: B follows the
@@ -109,7 +98,7 @@ def test_a_stream_whose_replica_dies_is_taken_over(replicas, shared_redis, tiny_
     path = "/v1/chat/completions"
     with stream("POST", a.url + path, body) as r:
         whole = content(read(r))
-    with _third_replica(shared_redis, tiny_chat_model) as third:
+    with _third_replica(module_redis, tiny_chat_model) as third:
         with stream("POST", third.url + path, body, {"X-Tidewire-Resume": "1"}) as r:
             before = read(r, until_seq=3)
             third.kill()
@@ -270,7 +259,7 @@ def _kill_mid_response(replica, body: dict, after: int) -> tuple[str, list[dict]
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, SEEDED], ids=["greedy", "seeded"])
-def test_a_response_whose_replica_dies_is_taken_over(replicas, shared_redis, tiny_chat_model,
+def test_a_response_whose_replica_dies_is_taken_over(replicas, module_redis, tiny_chat_model,
                                                      sampling: dict) -> None:
     """A third replica (a process of its own) runs a background response and is killed
     (SIGKILL) mid-stream. B, asked for the events after the last one the client had,
@@ -282,7 +271,7 @@ def test_a_response_whose_replica_dies_is_taken_over(replicas, shared_redis, tin
     body = {**RESPONSE, **sampling}
     with stream("POST", a.url + "/v1/responses", body) as r:
         whole = response_events(r)
-    with _third_replica(shared_redis, tiny_chat_model) as third:
+    with _third_replica(module_redis, tiny_chat_model) as third:
         rid, before = _kill_mid_response(third, body, after=8)
     continued, started = _continued(b), time.monotonic()
     with stream("GET", f"{b.url}/v1/responses/{rid}?stream=true&starting_after=8") as r:

@@ -66,12 +66,8 @@ def test_one_tenant_cannot_push_out_another_tenants_stored_responses() -> None:
 
 
 @pytest.fixture
-def shared():
-    redis = RedisServer().start()
-    try:
-        yield SharedState(redis.url, 2.0)
-    finally:
-        redis.stop()
+def shared(redis_server):  # noqa: ANN001, ANN201 - a RedisServer
+    return SharedState(redis_server.url, 2.0)
 
 
 async def test_the_live_record_has_one_owner_and_changes_hands_only_when_it_lapses(
