@@ -212,18 +212,19 @@ async def stream_events(request: Request) -> Response:
                 tokens is None or after < 0 or after >= len(s.events)
                 or f"id: {after}:{tokens}\n" in s.events[after]):
             return _event_stream(streams.follow(s, after))
-        return await _continue(request, gw, streams, principal, sid, after)
+        return await _continue(request, gw, streams, principal, sid, after, tokens)
     except ProtocolError as e:
         gw.metrics.errors.labels(e.code).inc()
         return error_response(e)
 
 
 async def _continue(request: Request, gw: Gateway, streams: sse_resume.SseStreams,
-                    principal: Any, sid: str, after: int) -> Response:
+                    principal: Any, sid: str, after: int, tokens: int | None) -> Response:
     """A stream another replica runs (or ran), from its live record: its events after
     `after` as that replica records them, and, once its heartbeat has lapsed (the
     replica is gone), the stream taken over and continued here from the recorded tokens
-    (service/live_record.py)."""
+    (service/live_record.py). A `Last-Event-ID` whose TOKENS the recorded event at SEQ
+    does not carry is refused: the client holds another continuation than the record."""
     live = streams.live(sid) if streams.shared is not None else None
     got = await live.read(0) if live is not None else None
     if live is None or got is None or not isinstance(got[0], dict) \
@@ -235,6 +236,9 @@ async def _continue(request: Request, gw: Gateway, streams: sse_resume.SseStream
     if after >= len(events):
         raise ProtocolError("invalid_request", "Last-Event-ID (or after) is past what the "
                             "stream's record holds")
+    if tokens is not None and after >= 0 and f"id: {after}:{tokens}\n" not in events[after]:
+        raise ProtocolError("invalid_request", "Last-Event-ID names an event the stream's "
+                            "record holds otherwise (another continuation of it)")
     return _event_stream(_follow_live(gw, streams, principal, live, record, steps, alive,
                                       after))
 

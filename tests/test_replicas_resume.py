@@ -81,6 +81,8 @@ def test_a_dropped_stream_is_followed_on_another_replica(replicas) -> None:
         assert r.status == 200 and content(read(r)) == content(after)
     with stream("GET", f"{b.url}{path}/{cid}/events?after=100000") as r:
         assert r.status == 400  # past what was recorded
+    with stream("GET", f"{b.url}{path}/{cid}/events", None, {"Last-Event-ID": "3:999"}) as r:
+        assert r.status == 400  # not the event the record holds at 3
     with stream("GET", f"{b.url}{path}/chatcmpl-nope/events?after=3:5") as r:
         assert r.status == 404
 
