@@ -32,6 +32,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=64,
                    help="requests behind the shared prompt (chat-64's lengths after it)")
     p.add_argument("--rounds", type=int, default=2, help="engine runs per setting")
+    p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
+                   help="the engine's backend (default: cuda where a GPU is present, else cpu)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="the engine's KV pool (the prefix once, plus every request's own)")
     p.add_argument("--skip-kernel", action="store_true", help="only the engine comparison")
     p.add_argument("--skip-engine", action="store_true", help="only the kernel table")
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -117,7 +121,9 @@ def engine_case(a: argparse.Namespace) -> dict:
     from bench.workloads import BenchRequest, chat64
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.num_requests)
+    backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
+    llm = LLM(model=a.model, dtype=a.dtype, max_num_seqs=a.num_requests,
+              attention_backend=backend, kv_cache_memory=int(a.kv_cache_memory_gb * (1 << 30)))
     attn = llm.engine.runner.attn
     if not hasattr(attn, "cascade"):
         raise SystemExit(f"the {attn.name} backend has no shared-prefix switch")
@@ -128,15 +134,22 @@ def engine_case(a: argparse.Namespace) -> dict:
             for r in chat64(vocab, a.num_requests, prompt_range=(20, 300),
                             output_range=(16, 256))]
     runs: dict[bool, list[float]] = {True: [], False: []}
+    steps: list[int] = []  # steps that took the cascade per run with it (the Triton backend)
     for _ in range(a.rounds):
         for setting in (True, False):
             attn.cascade = setting
+            before = getattr(attn, "cascade_steps", 0)
             runs[setting].append(run_tidewire(llm, work)["output_tok_s"])
+            if setting and hasattr(attn, "cascade_steps"):
+                steps.append(attn.cascade_steps - before)
+            print(f"  cascade {'on' if setting else 'off'}: {runs[setting][-1]:.1f} tok/s"
+                  + (f", {steps[-1]} steps took it" if setting and steps else ""), flush=True)
     attn.cascade = True
     on, off = statistics.median(runs[True]), statistics.median(runs[False])
-    return {"model": a.model, "prefix_tokens": a.prefix_tokens, "requests": a.num_requests,
+    return {"model": a.model, "attention_backend": backend, "prefix_tokens": a.prefix_tokens,
+            "requests": a.num_requests,
             "cascade_tok_s": on, "plain_tok_s": off, "speedup": on / off,
-            "runs": {"cascade": runs[True], "plain": runs[False]}}
+            "runs": {"cascade": runs[True], "plain": runs[False]}, "cascade_steps": steps}
 
 
 def main(a: argparse.Namespace) -> int:
@@ -170,8 +183,11 @@ def main(a: argparse.Namespace) -> int:
         e = engine_case(a)
         result["engine"] = e
         print(f"engine: {e['requests']} requests behind a {e['prefix_tokens']}-token shared "
-              f"prompt ({e['model']}): cascade {e['cascade_tok_s']:.1f} tok/s, without "
-              f"{e['plain_tok_s']:.1f} tok/s, {e['speedup']:.2f}x")
+              f"prompt ({e['model']}, {e['attention_backend']} backend): cascade "
+              f"{e['cascade_tok_s']:.1f} tok/s, without "
+              f"{e['plain_tok_s']:.1f} tok/s, {e['speedup']:.2f}x"
+              + (f"; steps that took it, per run: {e['cascade_steps']}" if e["cascade_steps"]
+                 else ""))
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=2))

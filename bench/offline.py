@@ -43,8 +43,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "runs on the same device")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no compiled CPU decode step")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "gguf"],
-                   help="Tidewire's weights (the HF baseline stays in --dtype)")
+    p.add_argument("--quantization", default="auto",
+                   choices=["auto", "none", "int8", "int4", "gguf"],
+                   help="Tidewire's weights, as `tidewire serve --quantization` (the HF "
+                        "baseline stays in --dtype)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                    help="Tidewire's KV cache (int8: the CPU backend's one-byte cache)")
     p.add_argument("--threads", type=int, default=0,
@@ -327,8 +329,15 @@ def main(a: argparse.Namespace) -> int:
           f"{max(len(r.prompt_token_ids) for r in work)} tokens, outputs "
           f"{sum(r.max_tokens for r in work)} tokens total; torch threads {torch.get_num_threads()}")
     device = "cuda" if backend == "cuda" else "cpu"
-    hf = None if a.skip_hf else _hf_model(llm.engine.model_dir, dtype, device)
+    quantization = llm.engine.config.quantization  # what "auto" resolved to
+    hf_dir = llm.engine.model_dir
+    if quantization == "gguf" and not a.skip_hf:  # HF runs the file dequantized
+        from engine.loader import resolve_model
+
+        hf_dir = resolve_model(a.model)
+    hf = None if a.skip_hf else _hf_model(hf_dir, dtype, device)
     result: dict[str, Any] = {"workload": "chat-64", "dtype": llm.engine.dtype_name,
+                              "quantization": quantization,
                               "model": a.model, "attention_backend": backend,
                               "kv_cache_dtype": a.kv_cache_dtype,
                               "cuda_graphs": llm.engine.runner.graphs is not None
@@ -356,7 +365,7 @@ def main(a: argparse.Namespace) -> int:
 
         plot(a.plot, sweep, breakdowns, f"Tidewire vs HF transformers, {a.model} "
              f"({llm.engine.dtype_name}"
-             f"{'' if a.quantization == 'none' else ', ' + a.quantization}"
+             f"{'' if quantization == 'none' else ', ' + quantization}"
              f"{', int8 KV' if a.kv_cache_dtype == 'int8' else ''})")
         print(f"wrote {a.plot}")
     if a.json:

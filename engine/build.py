@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,38 @@ class LoadedModel:
     kv: KVCacheManager
     evicted: EvictionLog | None  # what the pool evicts, for a host tier to copy out
     runner: ModelRunner
+
+
+def resolve_quantization(config: EngineConfig) -> EngineConfig:
+    """`quantization="auto"` (the default) made definite: a .gguf file runs its blocks as
+    they are ("gguf", as llama.cpp and Ollama run them) where that can run here: the cpu
+    backend with its compiled kernels, bfloat16 or float32, an architecture
+    engine/gguf_weights.py reads. Anything else, a registry name (the shipped default
+    among them) included, "none": dequantized once into the model's dtype."""
+    if config.quantization != "auto":
+        return config
+    path = Path(config.model).expanduser()
+    quantization = "none"
+    if path.suffix == ".gguf" and path.is_file():
+        why = _why_dequantized(config, path)
+        if why is None:
+            quantization = "gguf"
+        else:
+            log.info("%s runs dequantized: %s", path.name, why)
+    return replace(config, quantization=quantization)
+
+
+def _why_dequantized(config: EngineConfig, path: Path) -> str | None:
+    from engine import gguf_weights
+    from kernels import cpu_ops
+
+    if config.attention_backend != "cpu":
+        return f"the {config.attention_backend} backend runs GGUF weights dequantized"
+    if config.dtype not in ("auto", "bfloat16", "bf16", "float32", "fp32"):
+        return f"its blocks run in bfloat16 or float32, not {config.dtype}"
+    if not cpu_ops.available():
+        return "the compiled CPU kernels are unavailable (no C++ compiler)"
+    return gguf_weights.native_supported(path)
 
 
 def load_model(config: EngineConfig, progress: LoadProgress) -> LoadedModel:

@@ -15,7 +15,9 @@ from engine.registry import DEFAULT_MODEL
 DTYPE_NAMES = ("bfloat16", "bf16", "float32", "fp32", "float16", "fp16")
 # engine/quant.py (int8, int4); gguf: a GGUF file's weights as they are
 # (engine/gguf_weights.py)
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+# auto (the default): "gguf" for a .gguf file that can run so here, else "none"
+# (engine/build.py resolve_quantization)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "int8")  # auto: the activations' dtype; int8: the CPU's q8 cache
 
 
@@ -159,7 +161,9 @@ class EngineConfig:
     seed: int | None = None  # shared by unseeded requests; None: from OS entropy
     debug: bool = False  # check block-manager integrity after every step
     enforce_eager: bool = False  # no CUDA graphs for decode steps (engine/cuda_graphs.py)
-    quantization: str = "none"  # "int8": weight-only int8 linears (engine/quant.py; CPU)
+    # "int8"/"int4": weight-only linears (engine/quant.py; CPU); "gguf": a GGUF's blocks as
+    # they are; "auto": "gguf" for a .gguf file where that runs, else "none"
+    quantization: str = "auto"
     threads: int = 0  # torch threads of the engine thread; 0: one per physical core
     # AsyncEngine: a step's outputs go out once the next decode graph is on the GPU, so
     # the event loop's fan-out overlaps the GPU's work (no effect on the CPU backend)

@@ -38,8 +38,9 @@ MAX_STEP_FAULTS = 3
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: LoadProgress | None = None) -> None:
-        """Load the model and allocate the KV cache; `progress` follows the phases."""
-        self.config = config
+        """Load the model and allocate the KV cache; `progress` follows the phases.
+        `config.quantization` "auto" is made definite here (build.resolve_quantization)."""
+        self.config = config = build.resolve_quantization(config)
         progress = progress or LoadProgress()
         t0 = time.monotonic()
         m = build.load_model(config, progress)

@@ -36,6 +36,10 @@ MODELS = {
     "mistral": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2,
                                 sliding_window=512)),
 }
+# every in_features a multiple of 256: int4 stores Q4_K blocks
+INT4_MODELS = {**MODELS, "llama-256": ("llama", dict(hidden_size=256, intermediate_size=512,
+                                                     num_attention_heads=4,
+                                                     num_key_value_heads=2))}
 
 
 def _check(llm: LLM, path, prompts: list[list[int]], params: SamplingParams = GREEDY) -> None:
@@ -310,10 +314,11 @@ def test_int8_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model
     assert llm.engine.runner.model.layers[0].qkv.q.dtype == torch.int8
 
 
-@pytest.mark.parametrize("model", ["llama-gqa", "qwen2-fused-bias"])
+@pytest.mark.parametrize("model", ["llama-256", "qwen2-fused-bias"])
 def test_int4_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model) -> None:
-    """Group-wise int4 (Q4_1 blocks of 32): greedy tokens equal HF transformers running
-    the dequantized weights in fp32, through the block kernel (<= 8 rows) and the
+    """Group-wise int4 (Q4_K blocks where in_features is a multiple of 256, as in
+    llama-256; else Q4_1 blocks of 32): greedy tokens equal HF transformers running the
+    dequantized weights in fp32, through the block kernel (<= 8 rows) and the
     dequantized tiles (prefill chunks, 12-row decodes); the blocks are cached and reused,
     and dequantize in the kernel exactly as engine/quant.py says."""
     from engine.gguf_weights import QuantWeight
@@ -322,17 +327,18 @@ def test_int4_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model
 
     if not cpu_ops.available():
         pytest.skip("no C++ compiler: int4 needs the compiled CPU kernels")
-    arch, cfg = MODELS[model]
+    arch, cfg = INT4_MODELS[model]
     src = tiny_models(arch, 5, **cfg)
 
     def roundtrip(w: torch.Tensor) -> torch.Tensor:
-        blocks = quantize_int4(w)
-        deq = dequantize_int4(blocks, w.shape[1])
-        assert torch.equal(cpu_ops.gguf_dequant(blocks, 3, w.shape[1], torch.float32), deq)
-        groups = w.reshape(w.shape[0], -1, 32).float()
-        step = (groups.amax(-1) - groups.amin(-1)) / 15
-        assert ((deq.reshape(groups.shape) - groups).abs()
-                <= step[..., None] * 0.51 + 1e-3).all()  # half a step (fp16 d, m)
+        qtype, blocks = quantize_int4(w)
+        deq = dequantize_int4(qtype, blocks, w.shape[1])
+        assert torch.equal(cpu_ops.gguf_dequant(blocks, qtype, w.shape[1], torch.float32), deq)
+        if qtype == 3:
+            groups = w.reshape(w.shape[0], -1, 32).float()
+            step = (groups.amax(-1) - groups.amin(-1)) / 15
+            assert ((deq.reshape(groups.shape) - groups).abs()
+                    <= step[..., None] * 0.51 + 1e-3).all()  # half a step (fp16 d, m)
         return deq
 
     ref_dir = _dequantized_copy(src, tmp_path / "dequantized", roundtrip)
@@ -343,7 +349,8 @@ def test_int4_matches_hf_on_the_dequantized_weights(tiny_models, tmp_path, model
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     assert quant_cache_path(llm.engine.config, llm.engine.model_dir).exists()
     qkv = llm.engine.runner.model.layers[0].qkv
-    assert all(isinstance(p, QuantWeight) and p.qtype == 3 for p in qkv.parts)
+    want_type = 12 if model == "llama-256" else 3
+    assert all(isinstance(p, QuantWeight) and p.qtype == want_type for p in qkv.parts)
 
 
 def test_compiled_cpu_decode_step_is_exact_and_falls_back_past_eight_sequences(tiny_models):

@@ -145,8 +145,9 @@ def loaded_dir():
 @pytest.mark.parametrize("name,outtype", ENGINE, ids=[f"{c}-{t}" for c, t in ENGINE])
 def test_gguf_greedy_matches_hf(name: str, outtype: str, gguf_files, family_models,
                                 loaded_dir) -> None:
-    """LLM(model=file.gguf) gives HF generate's greedy tokens: on the original model for
-    f32, on the weights as dequantized for a quantized file."""
+    """LLM(model=file.gguf, quantization="none") (the file dequantized once) gives HF
+    generate's greedy tokens: on the original model for f32, on the weights as
+    dequantized for a quantized file."""
     case = CASES[name]
     if not _engine_runs(case.model_type):
         pytest.skip("family not in engine.models yet")
@@ -157,7 +158,7 @@ def test_gguf_greedy_matches_hf(name: str, outtype: str, gguf_files, family_mode
     reference = family_models(name) if outtype == "f32" else converted
     vocab = json.loads((family_models(name) / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(4, 3, 24, vocab, seed=7)
-    with LLM(model=str(path), dtype="float32") as llm:
+    with LLM(model=str(path), dtype="float32", quantization="none") as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert got == hf_greedy(reference, prompts, GREEDY.max_tokens)
     if outtype != "f32":
@@ -201,6 +202,39 @@ def test_gguf_weights_as_stored_match_hf_on_their_values(name: str, outtype: str
     step = llm.engine.runner.compiled_step  # decodes of 1-8 rows: the compiled step reads
     if name == "qwen3":                       # the blocks too (the tiny llama's 16-wide
         assert step is not None and step.steps > 0  # heads are not a shape it takes)
+
+
+def test_a_gguf_file_runs_as_stored_by_default_where_it_can(gguf_files, family_models,
+                                                           loaded_dir) -> None:
+    """`quantization="auto"` (the default): a .gguf path runs its blocks as they are on
+    the cpu backend in bfloat16 or float32; a family the native path does not read
+    (Gemma 3), float16, the cuda backend and a registry name resolve to "none"
+    (dequantized), as does a directory."""
+    from engine.build import resolve_quantization
+    from engine.config import EngineConfig
+    from engine.models.layers import GGUFLinear
+
+    path = gguf_files("llama", "q8_0")
+    loaded_dir(resolve_model(str(path), native_gguf=True))
+    llm = LLM(model=str(path), dtype="float32")
+    assert llm.engine.config.quantization == "gguf" and llm.config.quantization == "auto"
+    assert isinstance(llm.engine.runner.model.layers[0].qkv, GGUFLinear)
+    vocab = json.loads((family_models("llama") / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(2, 3, 20, vocab, seed=3)
+    as_stored = LLM(model=str(path), dtype="float32", quantization="gguf")
+    assert ([o.token_ids for o in llm.generate(prompts, GREEDY)]
+            == [o.token_ids for o in as_stored.generate(prompts, GREEDY)])
+
+    def resolved(model: str, **kw) -> str:
+        return resolve_quantization(EngineConfig(model=model, **kw)).quantization
+
+    assert resolved(str(path), dtype="bfloat16") == "gguf"
+    assert resolved(str(path), dtype="float16") == "none"
+    assert resolved(str(path), attention_backend="cuda") == "none"
+    assert resolved(str(path), quantization="none") == "none"
+    assert resolved(str(gguf_files("gemma3", "f32"))) == "none"
+    assert resolved("smollm2-135m") == "none"
+    assert resolved(str(family_models("llama"))) == "none"
 
 
 def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_path: Path,

@@ -111,6 +111,7 @@ class CpuAttention(AttentionBackend):
         # shared-prefix (cascade) attention where a step's sequences share prefix blocks
         # and the cost rule says it pays (TIDEWIRE_CASCADE=0: never)
         self.cascade = os.environ.get("TIDEWIRE_CASCADE", "1") not in ("0", "false", "")
+        self.cascade_steps = 0  # steps that took it (`tidewire bench cascade` reports it)
         self.q8 = kv_cache_dtype == "int8"
         if self.q8:
             if not compiled:
@@ -209,6 +210,7 @@ class CpuAttention(AttentionBackend):
                 shared.append(keys)
         if not shared:
             return None
+        self.cascade_steps += 1
         return (torch.tensor(members, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32),
                 torch.tensor(shared, dtype=torch.int32))
 

@@ -57,6 +57,7 @@ class TritonAttention(AttentionBackend):
         # shared-prefix attention where every sequence of a step shares prefix blocks and
         # the rule below says it pays (TIDEWIRE_CASCADE=0: never)
         self.cascade = os.environ.get("TIDEWIRE_CASCADE", "1") not in ("0", "false", "")
+        self.cascade_steps = 0  # steps that took it (`tidewire bench cascade` reports it)
 
     # The kernel takes one prefix for the whole step (kernels/cascade_attention.py), so a
     # step qualifies when all its sequences share one, and when the K/V bytes it saves
@@ -66,8 +67,8 @@ class TritonAttention(AttentionBackend):
     # runs it): the cascade's extra launches (prefix pass, suffix pass, merge) cost
     # ~150-300 us of host time a layer, more than the split-K kernel spends reading
     # hundreds of MB. It won at 256 sequences x 8,192 shared keys of a 32/8-head model
-    # (2.1 GB saved: 2.0-2.25x), lost at 0.5-0.8 GB saved (0.70-0.88x) and at chat-64
-    # behind a 2,000-token prompt (96 MB: 0.87x in the engine).
+    # (2.1 GB saved: 2.0-2.25x) and lost at 0.5-0.8 GB saved (0.70-0.88x), kernel alone;
+    # the engine comparison on a GPU is still to be run (docs/performance.md).
     CASCADE_MIN_SEQS = 8
     CASCADE_MIN_SAVED_BYTES = 1 << 30
 
@@ -83,6 +84,7 @@ class TritonAttention(AttentionBackend):
         saved = (len(members) - 1) * keys * self.num_kv_heads * self.head_dim * 2 * elem
         if len(members) < self.CASCADE_MIN_SEQS or saved < self.CASCADE_MIN_SAVED_BYTES:
             return None
+        self.cascade_steps += 1
         return CascadePrefix.build(rows[members[0]][2][: keys // self.block_size], keys,
                                    self.block_size, sum(q for q, _, _ in rows),
                                    self.num_heads, self.num_kv_heads, self.device)

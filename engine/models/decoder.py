@@ -36,7 +36,7 @@ from engine.models.layers import (DenseMLP, GGUFEmbedding, GGUFLinear, Int8Linea
                                   Linear, activation_of)
 from engine.models.rotary import RopeSpec
 from engine.platform import ModelPlan
-from engine.quant import INT4_QTYPE, linear_weight_names, quantized, quantized_int4
+from engine.quant import linear_weight_names, quantized, quantized_int4
 from kernels import reference as ref
 
 EMBED = "model.embed_tokens.weight"
@@ -110,12 +110,13 @@ class DecoderModel:
         # (a GGUF's block-quantized matrices stay as they are: QuantWeight)
         w: dict[str, Any] = {k: v if isinstance(v, QuantWeight) else v.to(plan.device, dtype)
                              for k, v in weights.items()}
-        if plan.quantization == "int4":  # the linears as Q4_1 blocks (GGUFLinear runs them)
+        if plan.quantization == "int4":  # the linears as Q4_K/Q4_1 blocks (GGUFLinear)
             src = dict(weights)
             if tied:  # the LM head is a quantized copy of the (kept) embedding table
                 src["lm_head.weight"] = weights[EMBED]
-            for n, blocks in quantized_int4(src, linear_weight_names(src), quant_cache).items():
-                w[n] = QuantWeight(INT4_QTYPE, blocks, src[n].shape[1])
+            for n, (qtype, blocks) in quantized_int4(src, linear_weight_names(src),
+                                                     quant_cache).items():
+                w[n] = QuantWeight(qtype, blocks, src[n].shape[1])
         self.embed: torch.Tensor | GGUFEmbedding = \
             GGUFEmbedding(w[EMBED], dtype) if isinstance(w[EMBED], QuantWeight) else w[EMBED]
         self.norm = self.norm_weight(w, "model.norm.weight")

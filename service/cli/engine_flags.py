@@ -22,11 +22,15 @@ def model_args(g: Any) -> None:
             choices=["auto", "bfloat16", "float32", "float16"],
             help="weights and activations; auto: bfloat16 on a GPU or on a CPU with "
                  "AVX512-BF16/AMX, else float32")
-    env_arg(g, "--quantization", "QUANTIZATION", default="none", choices=["none", "int8", "int4", "gguf"],
-            help="int8: weight-only int8 linears, quantized at load and cached (CPU backend; "
-                 "~1.6-1.8x faster single-stream decode than bfloat16); int4: group-wise 4-bit "
-                 "(32 values a group with a scale and a minimum), cached likewise (CPU); gguf: "
-                 "a .gguf model's block-quantized weights run as the file stores them (CPU)")
+    env_arg(g, "--quantization", "QUANTIZATION", default="auto",
+            choices=["auto", "none", "int8", "int4", "gguf"],
+            help="auto: gguf for a .gguf file where that runs (the cpu backend, bfloat16 or "
+                 "float32, an architecture it reads), else none; none: a GGUF dequantized "
+                 "once into --dtype; int8: weight-only int8 linears, quantized at load and "
+                 "cached (CPU backend; ~1.6-1.8x faster single-stream decode than bfloat16); "
+                 "int4: group-wise 4-bit (GGUF Q4_K blocks, or Q4_1 where in_features is not "
+                 "a multiple of 256), cached likewise (CPU); gguf: a .gguf model's "
+                 "block-quantized weights run as the file stores them (CPU)")
 
 
 def engine_args(g: Any) -> None:
