@@ -48,7 +48,7 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 LONG    := tests/adversarial/test_hostile_fields.py tests/chaos/test_redis_chaos.py \
            tests/chaos/test_sigterm.py tests/test_scale_out.py tests/test_replicas_resume.py
 test: install
-	TIDEWIRE_SOAK_BACKGROUND=180 $(VPY) -m pytest -rs --durations=15 $(addprefix --ignore=,$(LONG))
+	TIDEWIRE_SOAK_BACKGROUND=120 $(VPY) -m pytest -rs --durations=15 $(addprefix --ignore=,$(LONG))
 
 # the fuzzers at full length: 10,000 socket frames (hypothesis, stateful), 2,000 hostile
 # values per protocol (tests/adversarial), and 300
