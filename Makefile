@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint fuzz chaos scale-out families soak spec serve bench clean
+.PHONY: install system-deps test lint fuzz chaos scale-out families soak spec page serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -41,7 +41,7 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 	@$(Q) "npm: the JS SDK's dev dependencies" sh -c "cd clients/js && npm ci --no-audit --no-fund"
 	@touch $@
 
-# the soak runs 180 s beside the other tests at idle priority (tests/soak.py). Left to
+# the soak runs 120 s beside the other tests at idle priority (tests/soak.py). Left to
 # their own targets, to hold this command to 10 minutes on 2 cores: the hostile-value
 # fuzzer (make fuzz), Redis chaos and SIGTERM under load (make chaos), the replicas
 # behind HAProxy (make scale-out); `pytest` with no arguments runs them all
@@ -61,6 +61,10 @@ fuzz: install
 # draws per run (make test runs 4,000)
 spec: install
 	TIDEWIRE_SPEC_DRAWS=20000 $(VPY) -m pytest -rs tests/test_spec_decode.py
+
+# the chat page in Chromium with its longer paths (make test runs the main ones)
+page: install
+	TIDEWIRE_PAGE_FULL=1 $(VPY) -m pytest -rs tests/test_chat_page.py
 
 # the chaos suite at full length (make test runs the disconnect-storm and engine-fault
 # short forms; `pytest` with no arguments all short forms): Redis killed, slow,

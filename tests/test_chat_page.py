@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 import time
@@ -26,6 +27,11 @@ ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 COUNT = "Count from 1 to 300, one number per line."
 ANSWER = ".msg.assistant .body"
 DESKTOP = {"width": 1000, "height": 760}
+# the page's longer paths (reload, the key in the fragment, reconnect with backoff, a
+# second phone size) run in `make page` and plain `pytest` with TIDEWIRE_PAGE_FULL=1;
+# `make test` keeps streaming, stop, regenerate, warm, one phone and the HTTP fallback
+FULL = os.environ.get("TIDEWIRE_PAGE_FULL", "") not in ("", "0")
+full_only = pytest.mark.skipif(not FULL, reason="runs in `make page` (TIDEWIRE_PAGE_FULL=1)")
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +163,7 @@ def unauthorized_count(server) -> float:  # noqa: ANN001
     return float(m.group(1)) if m else 0.0
 
 
+@full_only
 async def test_the_key_comes_from_the_fragment_and_leaves_the_address_bar(tiny_chat_model,
                                                                           caplog) -> None:
     """On a keyed server: /#key=K connects (a fragment never reaches the server) and K
@@ -246,7 +253,7 @@ SEEDED = {
 }
 
 
-@pytest.mark.parametrize("width,height", [(390, 844), (360, 740)])
+@pytest.mark.parametrize("width,height", [pytest.param(390, 844, marks=full_only), (360, 740)])
 async def test_chat_page_fits_a_phone(server, width: int, height: int) -> None:
     async with browser() as b:
         p, page = await Page.open(b, server.url, {"width": width, "height": height})
@@ -304,6 +311,7 @@ async def test_chat_page_fits_a_phone(server, width: int, height: int) -> None:
         p.check()
 
 
+@full_only
 async def test_conversations_survive_reload_and_new_chat_starts_empty(server) -> None:
     async with browser() as b:
         p, page = await Page.open(b, server.url)
@@ -484,6 +492,7 @@ async def wait_offline(page) -> None:  # noqa: ANN001
     assert "connected" not in status and "reconnecting" in status, status
 
 
+@full_only
 async def test_connection_status_reconnect_and_resume(server) -> None:
     proxy = await FlakyProxy(int(server.url.rsplit(":", 1)[1])).start()
     try:

@@ -51,7 +51,9 @@ def test_js_sdk_node_suite(server, failover_url) -> None:
     assert (JS / "node_modules" / "@msgpack" / "msgpack").exists(), "run `make install`"
     env = {**os.environ, "TIDEWIRE_URL": server.ws_url, "TIDEWIRE_API_KEY": "sk-js",
            "TIDEWIRE_FAILOVER_URL": failover_url}
-    out = subprocess.run([node, "--test", "--test-reporter=spec", "test/"], cwd=JS, env=env,
+    # the three files side by side: they wait on the server, not on the CPU
+    out = subprocess.run([node, "--test", "--test-concurrency=3", "--test-reporter=spec",
+                          "test/"], cwd=JS, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-3000:]
     assert "# fail 0" in out.stdout or "ℹ fail 0" in out.stdout, out.stdout[-3000:]
