@@ -8,6 +8,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -152,6 +153,20 @@ def hf_greedy(path: Path, prompts: list[list[int]], max_new_tokens: int,
                                  max_new_tokens=max_new_tokens, pad_token_id=0, **kw)
             _HF_OUTPUTS[key] = out[0, len(p):].tolist()
         outs.append(_HF_OUTPUTS[key])
+    return outs
+
+
+def run_side_by_side(commands: list[tuple[list[str], dict[str, str]]],
+                     timeout: float = 120) -> list[str]:
+    """Run (argv, environment) commands at once (each mostly imports torch on one core,
+    so two cores run two at a time); their stdouts, in order. Any exit but 0 fails."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for argv, env in commands]
+    outs = []
+    for (argv, _), proc in zip(commands, procs):
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"{argv}: exit {proc.returncode}\n{err[-3000:]}"
+        outs.append(out)
     return outs
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ from engine.config import EngineConfig, TierConfig
 from service.config import ServiceConfig
 from service.gateway import Gateway, Principal
 from service.metrics import Metrics
+from tests.conftest import run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "replicas-share-this"
@@ -61,8 +61,6 @@ def test_salts_with_a_secret_are_stable_across_processes() -> None:
             "from engine.config import TierConfig; from service.gateway import Principal;"
             "print(Principal(None, 'tenant-a', TierConfig(secret=sys.argv[2]).salt_key)"
             ".salt.hex())")
-    for seed in ("1", "random"):
-        out = subprocess.run([sys.executable, "-c", code, str(ROOT), SECRET], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
-                             timeout=120)
-        assert out.stdout.strip() == salts(SECRET)["tenant-a"].hex()
+    outs = run_side_by_side([([sys.executable, "-c", code, str(ROOT), SECRET],
+                              {**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "random")])
+    assert [o.strip() for o in outs] == [salts(SECRET)["tenant-a"].hex()] * 2

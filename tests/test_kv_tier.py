@@ -23,7 +23,7 @@ from engine import LLM, SamplingParams
 from engine.block_manager import hash_block, root_hash
 from engine.kv_io import BlockFormat, tier_key
 from engine.kv_offload import kv_fingerprint
-from tests.conftest import hf_greedy
+from tests.conftest import hf_greedy, run_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 BS = 8
@@ -133,10 +133,10 @@ def test_keys_are_stable_across_processes_and_separate_models_and_tenants() -> N
             "from engine.block_manager import hash_block, root_hash;"
             "print(tier_key(kv_fingerprint('llama', 'abc123', 'bfloat16', 16, 30, 3, 64),"
             " hash_block(root_hash(b'tenant-a'), list(range(16)))))")
-    for seed in ("1", "2", "random"):
-        out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True,
-                             text=True, env={**os.environ, "PYTHONHASHSEED": seed}, check=True)
-        assert out.stdout.strip() == here
+    outs = run_side_by_side([([sys.executable, "-c", code, str(ROOT)],
+                              {**os.environ, "PYTHONHASHSEED": seed})
+                             for seed in ("1", "2", "random")])
+    assert [o.strip() for o in outs] == [here] * 3
     assert here.startswith(f"tw:kv:v1:{fp.hex()}:") and len(here) == len("tw:kv:v1:") + 129
     # Any change of model, weights, dtype, geometry or block size changes the fingerprint.
     others = [kv_fingerprint("qwen2", "abc123", "bfloat16", 16, 30, 3, 64),

@@ -30,6 +30,7 @@ from engine.registry import REGISTRY
 from engine.runner import kv_pool
 from service.config import ServiceConfig
 from service.server import build_server
+from tests.conftest import run_side_by_side
 from tests.servers import free_port, http_get, run_server
 
 REPO = Path(__file__).resolve().parents[1]
@@ -135,11 +136,11 @@ async def test_sampling_defaults_none_keeps_openai_defaults(tiny_models, tmp_pat
 def test_unseeded_sampling_differs_across_processes_and_seed_repeats() -> None:
     code = ("from engine.sampler import Sampler; import torch;"
             "print(torch.rand(8, generator=Sampler({}).generator).tolist())")
-    run = lambda seed: subprocess.run(  # noqa: E731
-        [sys.executable, "-c", code.format(seed)], cwd=REPO, check=True, capture_output=True,
-        text=True).stdout
-    assert run("None") != run("None")  # OS entropy: the first reply after a restart varies
-    assert run("7") == run("7")  # --seed: reproducible
+    a, b, c, d = run_side_by_side([([sys.executable, "-c", f"import sys; sys.path.insert(0, "
+                                      f"{str(REPO)!r}); " + code.format(seed)], dict(os.environ))
+                                    for seed in ("None", "None", "7", "7")])
+    assert a != b  # OS entropy: the first reply after a restart varies
+    assert c == d  # --seed: reproducible
 
 
 # -- start-up ----------------------------------------------------------------------------------
