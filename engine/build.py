@@ -110,7 +110,7 @@ def load_model(config: EngineConfig, progress: LoadProgress) -> LoadedModel:
         weights = load_weights(model_dir)
     held = f", {num_full} of them in every layer" if num_full < num_blocks else ""
     with progress.phase(f"model and KV cache ({num_blocks} blocks{held}"
-                        f"{', int8 quantization' if config.quantization != 'none' else ''}"
+                        f"{'' if config.quantization == 'none' else ', ' + config.quantization}"
                         f"{', int8 KV cache' if cc.dtype == 'int8' else ''})"):
         runner = ModelRunner(
             arch, weights, platform=platform,
