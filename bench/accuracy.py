@@ -21,16 +21,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-CONFIGS = {  # name -> LLM keywords
-    "fp32": dict(dtype="float32"),  # the control: equals the reference
-    "bf16": dict(dtype="bfloat16"),
-    "bf16+kv-int8": dict(dtype="bfloat16", kv_cache_dtype="int8"),
+CONFIGS = {  # name -> LLM keywords ("none": a .gguf --model dequantized, not run as stored)
+    "fp32": dict(dtype="float32", quantization="none"),  # the control: equals the reference
+    "bf16": dict(dtype="bfloat16", quantization="none"),
+    "bf16+kv-int8": dict(dtype="bfloat16", quantization="none", kv_cache_dtype="int8"),
     "w-int8": dict(dtype="bfloat16", quantization="int8"),
     "w-int8+kv-int8": dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8"),
     "w-int4": dict(dtype="bfloat16", quantization="int4"),
     # a .gguf --model's own blocks as stored (the reference is its dequantized values)
     "gguf": dict(dtype="bfloat16", quantization="gguf"),
-    "fp32+kv-int8": dict(dtype="float32", kv_cache_dtype="int8"),
+    "fp32+kv-int8": dict(dtype="float32", quantization="none", kv_cache_dtype="int8"),
 }
 
 
