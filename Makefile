@@ -51,11 +51,12 @@ test: install
 	TIDEWIRE_SOAK_BACKGROUND=120 $(VPY) -m pytest -rs --durations=15 $(addprefix --ignore=,$(LONG))
 
 # the fuzzers at full length: 10,000 socket frames (hypothesis, stateful), 2,000 hostile
-# values per protocol (tests/adversarial), and 300
-# schemathesis examples per HTTP operation and mode (make test runs short forms)
+# values per protocol (tests/adversarial), 300 schemathesis examples per HTTP operation
+# and mode, and 16 sampled outputs per schema and grammar kind (make test runs short forms)
 fuzz: install
 	TIDEWIRE_WS_FUZZ_FRAMES=10000 TIDEWIRE_FUZZ_EXAMPLES=300 TIDEWIRE_ADVERSARIAL_FRAMES=2000 \
-		$(VPY) -m pytest -rs -s tests/test_ws_fuzz.py tests/test_openapi.py tests/adversarial
+		TIDEWIRE_STRUCTURED_SEEDS=16 $(VPY) -m pytest -rs -s tests/test_ws_fuzz.py \
+		tests/test_openapi.py tests/adversarial tests/test_structured.py
 
 # speculative decoding at full length: the chi-square test of sampled output over 20,000
 # draws per run (make test runs 4,000)

@@ -153,7 +153,7 @@ def test_bench_accuracy_scores_a_gguf_as_stored_against_its_model(tmp_path) -> N
     text.write_text("Tidewire serves a language model over WebSockets and HTTP. " * 8)
     out = tmp_path / "accuracy.json"
     f = gguf_path(REGISTRY["smollm2-135m"])
-    rc = main(["bench", "accuracy", "--text", str(text), "--tokens", "40", "--configs", "bf16",
+    rc = main(["bench", "accuracy", "--text", str(text), "--tokens", "24", "--configs", "bf16",
                "--gguf", str(f), "--json", str(out)])
     assert rc == 0
     got = json.loads(out.read_text())["configs"][f.name]

@@ -22,7 +22,7 @@ from tests.servers import http_get, run_server
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
 # per operation and generation mode (schemathesis: positive, negative); `make fuzz` more
-EXAMPLES = int(os.environ.get("TIDEWIRE_FUZZ_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("TIDEWIRE_FUZZ_EXAMPLES", "10"))
 
 
 @pytest.fixture(scope="module")
