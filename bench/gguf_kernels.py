@@ -1,6 +1,6 @@
 """The GGUF block kernels' decode speed against this machine's memory bandwidth.
 
-    python -m bench.gguf_kernels [--rows 1] [--out 8192] [--in 2048]
+    python -m bench.gguf_kernels [--rows 1] [--out 8192] [--in 2048] [--x int8|exact]
     python -m bench.gguf_kernels --tiled [--out 8192] [--in 2048]
 
 For each block type, x W^T for a few rows of x (cpu_ops.gguf_linear_small) on a matrix
@@ -92,6 +92,9 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=8,
                    help="distinct weight matrices cycled through (beyond the caches)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--x", choices=["int8", "exact"], default="int8",
+                   help="x into the block kernels: quantized to int8 where the CPU has a "
+                        "path for it (the engine's default), or the exact fp32 sums")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--tiled", action="store_true",
                    help="ms per call by rows: small and tiled kernels against packed bf16")
@@ -110,7 +113,8 @@ def main() -> None:
     bw = read_bandwidth(a.repeat)
     print(f"streaming read: {bw:.1f} GB/s on {torch.get_num_threads()} threads")
     x = torch.randn(a.rows, a.inp).to(torch.bfloat16)
-    out: dict = {"read_gb_s": round(bw, 2), "rows": a.rows, "shape": [a.out, a.inp]}
+    out: dict = {"read_gb_s": round(bw, 2), "rows": a.rows, "shape": [a.out, a.inp],
+                 "x": a.x}
     for qtype, name in NAMES.items():
         ws = [torch.from_numpy(random_blocks(qtype, a.out, a.inp, seed=i, scale=1e-3))
               for i in range(a.copies)]
@@ -118,7 +122,7 @@ def main() -> None:
 
         def run(ws=ws, qtype=qtype) -> None:
             for w in ws:
-                cpu_ops.gguf_linear_small(x, w, qtype)
+                cpu_ops.gguf_linear_small(x, w, qtype, int8_x=a.x == "int8")
         gb = _best(run, nbytes, a.repeat)
         bits = 8 * ws[0].numel() / (a.out * a.inp)
         out[name] = {"gb_s": round(gb, 2), "of_read": round(gb / bw, 3),

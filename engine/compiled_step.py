@@ -79,6 +79,8 @@ class CompiledDecodeStep:
         gguf = any(t for _, types, _ in read for t in types)
         self.part_counts = [len(parts) for parts, _, _ in read] if gguf else []
         self.qtypes = [t for _, types, _ in read for t in types] if gguf else []
+        # GGUF parts take x in int8 as the eager path's would (GGUFLinear.int8_x)
+        self.int8_x = any(isinstance(m, GGUFLinear) and m.int8_x for m in matmuls)
         self.biases = [m.bias for m in matmuls]
         # each layer's sliding window (0: full); empty where no layer has one
         self.windows = [layer.window for layer in model.layers] if model.arch.layer_windows \
@@ -117,6 +119,6 @@ class CompiledDecodeStep:
             meta.query_start, m.cos, m.sin, self.k_caches, self.v_caches, self.norms,
             self.weights, self.scales, self.biases, a.rms_norm_eps, m.attn.scale, a.num_heads,
             self.windows, self.qk_norms, a.rotary_dim, self.rope_layers, self.part_counts,
-            self.qtypes)
+            self.qtypes, self.int8_x)
         self.steps += 1
         return logits

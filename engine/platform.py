@@ -126,6 +126,11 @@ class ModelPlan:
     linear_small: bool = False
     quantization: str = "none"  # "none", "int8", "int4" (engine/quant.py), "gguf" (gguf_weights)
     kv_cache_dtype: str = "auto"  # "auto" (the activations' dtype) or "int8"
+    # GGUF blocks (int4 among them): x quantized to int8 into their small-batch matmuls
+    # (cpu_ops.gguf_linear_small int8_x), as llama.cpp does. Every bf16 run, and an fp32
+    # one whose dtype was "auto" (a CPU without native bf16); float32 asked for by name
+    # keeps the exact sums (the parity tests' oracle)
+    int8_activations: bool = False
 
     def keeps_plain(self, in_features: int) -> bool:
         """Whether a bf16 weight with rows of `in_features` is kept plain beside its
@@ -148,6 +153,7 @@ class Platform:
     # machine), then answers from the loader's memory
     cpu_kernels: Callable[[], bool] = field(default=cpu_ops.available, repr=False,
                                             compare=False)
+    dtype_auto: bool = False  # dtype_name was chosen for this machine ("auto")
 
     @classmethod
     def choose(cls, config: EngineConfig, isa: frozenset[str] | None = None,
@@ -164,7 +170,8 @@ class Platform:
         dtype = auto_dtype(device, isa) if config.dtype == "auto" else config.dtype
         # 0 keeps an OMP_NUM_THREADS the user set, else one thread per physical core
         threads = config.threads or (_omp_threads(env) if "OMP_NUM_THREADS" in env else cores())
-        return cls(backend, device, dtype, threads, frozenset(isa), config.enforce_eager)
+        return cls(backend, device, dtype, threads, frozenset(isa), config.enforce_eager,
+                   dtype_auto=config.dtype == "auto")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -236,8 +243,10 @@ class Platform:
             raise ValueError(f"quantization must be none, int8, int4 or gguf, got "
                              f"{quantization!r}")
         linear_small = self.device == "cpu" and dtype == torch.bfloat16 and self.cpu_kernels()
+        int8_activations = quantization in ("gguf", "int4") and (
+            dtype == torch.bfloat16 or self.dtype_auto)
         plan = ModelPlan(self.device, dtype, ops, FastPath.NONE, compiled_attention,
-                         linear_small, quantization, kv_cache_dtype)
+                         linear_small, quantization, kv_cache_dtype, int8_activations)
         # weights the compiled step reads: int8; GGUF blocks (int4 among them); fp32 (never
         # packed); bf16 kept plain
         readable = (quantization in ("int8", "gguf", "int4") or dtype == torch.float32

@@ -194,16 +194,29 @@ GGUF_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 
 
 def gguf_linear_small(x: torch.Tensor, weight: torch.Tensor, qtype: int,
                       bias: torch.Tensor | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None,
+                      int8_x: bool | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for 1 to 8 rows of x [rows, in] and W in a GGUF block type
     (`qtype`, a key of GGUF_BLOCKS) as the file stores it: uint8 [out, row bytes]. Never
-    dequantizes W: each group of values sharing a scale is summed against x in fp32 and
-    scaled once. `out`: where to write ([rows, out], unit column stride; a column slice
-    of a wider tensor will do)."""
+    dequantizes W: each group of values sharing a scale is summed against x and scaled
+    once. int8_x (None: where x is bf16): x quantized to int8 per 256 values (64 for the
+    32-value types) and multiplied as bytes, on CPUs with AVX2 (llama.cpp's way: each
+    value rounded to 1/254 of its group's largest magnitude, well inside the 4-6 bit
+    weights' own rounding); False: the sums in fp32, as exact as the dequantized matmul. `out`: where to write ([rows,
+    out], unit column stride; a column slice of a wider tensor will do)."""
     if out is None:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
-    torch.ops.tidewire.gguf_linear_small(out, x, weight, qtype, bias)
+    if int8_x is None:
+        int8_x = x.dtype == torch.bfloat16
+    torch.ops.tidewire.gguf_linear_small(out, x, weight, qtype, bias, bool(int8_x))
     return out
+
+
+def gguf_reads_int8(qtype: int, in_features: int) -> bool:
+    """Whether gguf_linear_small, given int8_x, multiplies x as int8 for weights of type
+    `qtype` with rows of `in_features` values on this CPU (AVX2: every type, the 32-value
+    ones for rows of a multiple of 64; AVX-512 VNNI: all but Q8_0; else none)."""
+    return bool(torch.ops.tidewire.gguf_reads_int8(qtype, in_features))
 
 
 def gguf_tiled() -> bool:

@@ -265,14 +265,15 @@ def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_p
         pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
     assert step.steps > 0  # the 2 prompts' decodes: the blocks in the compiled step
     assert step.max_rows == 4  # (Q4_0's small-batch kernel leads to 4 rows only)
-    # bf16: the compiled step and the eager path (the K types against x in int8 on a CPU
-    # with VNNI, in both) agree but for late rounding
+    # dtype auto (bf16 where the CPU has it, else fp32): the blocks against x in int8, in
+    # the compiled step and the eager path alike, which agree but for late rounding
     prompts = random_prompts(2, 5, 40, 320, seed=43)
     outs = {}
     for eager in (False, True):
-        run = LLM(model=str(path), dtype="bfloat16", quantization="gguf", enforce_eager=eager)
+        run = LLM(model=str(path), quantization="gguf", enforce_eager=eager)
         outs[eager] = [o.token_ids for o in run.generate(prompts, GREEDY)]
         assert (run.engine.runner.compiled_step is None) == eager
+        assert run.engine.runner.model.plan.int8_activations
     same = sum(a == b for x, y in zip(outs[False], outs[True]) for a, b in zip(x, y))
     assert same >= 0.9 * sum(len(x) for x in outs[True])
 

@@ -1,7 +1,7 @@
 """The compiled kernels for GGUF block-quantized weights (kernels/cpu/gguf_quant.h)
 against the `gguf` package's own dequantizer: x W^T for 1-8 rows (gguf_linear_small) and
 for any number of bf16 rows (gguf_linear_tiled) equals x times the dequantized W in fp32
-to rounding (of bf16 x; of its int8 form for the K types in bf16 on a CPU with VNNI), for
+to rounding (of bf16 x; of its int8 form where the int8 path runs: AVX2, AVX-512 VNNI), for
 every block type, on random blocks (any bytes with finite scales are valid blocks) and odd
 output sizes; dequantized rows equal the package's bit for bit."""
 
@@ -38,38 +38,61 @@ def test_gguf_rows_dequantize_as_the_gguf_package_does(qtype: int) -> None:
                        want.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def x_as_int8(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the int8 path multiplies it (gguf_quant.h XQ): per `group` values of a row,
+    dx = max|x| / 127 and round(x / dx) (ties to even), times dx, in fp32."""
+    xf = x.float().reshape(x.shape[0], -1, group)
+    mx = xf.abs().amax(-1, keepdim=True)
+    inv = torch.where(mx > 0, 127.0 / mx, torch.zeros_like(mx))
+    return (torch.round(xf * inv) * (mx / 127.0)).reshape(x.shape)
+
+
+@pytest.mark.parametrize("x_mode", ["fp32", "bf16", "fp32-int8"])
 @pytest.mark.parametrize("qtype", sorted(NAMES), ids=lambda t: NAMES[t])
-def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int,
-                                                         dtype: torch.dtype) -> None:
+def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int, x_mode: str) -> None:
+    """fp32 x: the exact sums. int8 x (bf16 x always; fp32 x where asked, on CPUs with an
+    int8 path for the type: gguf_reads_int8): x quantized per 256 values (64 for the
+    32-value types) times the dequantized W, to fp32 rounding; the error that adds
+    against fp32 x stays small. Else bf16 x as it is."""
+    dtype = torch.bfloat16 if x_mode == "bf16" else torch.float32
+    int8_x = x_mode != "fp32"
     cols, out = 768, 37  # 3 K-blocks a row; an output count no vector width divides
     blocks = random_blocks(qtype, out, cols, seed=100 + qtype)
     w = torch.from_numpy(blocks)
     ref = dequantized(blocks, qtype, cols)
     bias = torch.randn(out).to(dtype)
     g = torch.Generator().manual_seed(qtype)
+    quantized = int8_x and cpu_ops.gguf_reads_int8(qtype, cols)
+    group = 256 if qtype >= 12 else 64
     for rows in range(1, 9):
         x = torch.randn(rows, cols, generator=g).to(dtype)
-        want = x.float() @ ref.T + bias.float()
-        got = cpu_ops.gguf_linear_small(x, w, qtype, bias)
+        if rows == 2:
+            x[1] = 0.0  # a row of zeros (dx 0)
+        exact = x.float() @ ref.T + bias.float()
+        want = x_as_int8(x, group) @ ref.T + bias.float() if quantized else exact
+        got = cpu_ops.gguf_linear_small(x, w, qtype, bias, int8_x=int8_x)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(),
                                    rtol=tol)
+        if quantized:  # (random x and codes: a few parts in a thousand of the largest)
+            assert (got.float() - exact).abs().max() < 2e-2 * exact.abs().max()
     # into a column slice of a wider output
     x = torch.randn(3, cols, generator=g).to(dtype)
     wide = torch.zeros(3, out + 10, dtype=dtype)
-    cpu_ops.gguf_linear_small(x, w, qtype, None, out=wide[:, 5 : 5 + out])
+    cpu_ops.gguf_linear_small(x, w, qtype, None, out=wide[:, 5 : 5 + out], int8_x=int8_x)
     assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
     torch.testing.assert_close(wide[:, 5 : 5 + out].float(), x.float() @ ref.T,
                                atol=2e-2 * (x.float() @ ref.T).abs().max().item(), rtol=2e-2)
-    if qtype in (2, 3):  # Q4_0/Q4_1 rows not a multiple of 64 (bf16: x stays bf16)
+    if qtype in (2, 3, 8):  # 32-value types in rows not a multiple of 64: x as it is
         blocks = random_blocks(qtype, out, 96, seed=300 + qtype)
         ref = dequantized(blocks, qtype, 96)
+        assert not cpu_ops.gguf_reads_int8(qtype, 96)
         x = torch.randn(2, 96, generator=g).to(dtype)
-        got = cpu_ops.gguf_linear_small(x, torch.from_numpy(blocks), qtype)
+        got = cpu_ops.gguf_linear_small(x, torch.from_numpy(blocks), qtype, int8_x=int8_x)
         want = x.float() @ ref.T
-        torch.testing.assert_close(got.float(), want, atol=2e-2 * want.abs().max().item(),
-                                   rtol=2e-2)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(),
+                                   rtol=tol)
 
 
 @pytest.mark.skipif(not cpu_ops.gguf_tiled(), reason="gguf_linear_tiled needs AVX512-BF16")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -215,6 +216,21 @@ def test_gguf_weights_run_on_the_compiled_cpu_kernels_only() -> None:
     for q in ("gguf", "int4"):  # (the block kernels take fp32 or bf16 activations)
         with pytest.raises(ValueError, match="runs in bfloat16 or float32, not float16"):
             platform(dtype="float16").plan(arch(), quantization=q)
+
+
+def test_gguf_blocks_take_int8_activations_unless_float32_is_named() -> None:
+    """The 4-bit matmuls quantize x to int8 in a bf16 run and in an fp32 one chosen for
+    the machine (dtype auto on a CPU without native bf16); float32 asked for by name keeps
+    the exact sums; unquantized weights never do."""
+    auto_fp32 = Platform.choose(EngineConfig(dtype="auto"), isa=AVX2, env={})
+    assert auto_fp32.dtype_name == "float32" and auto_fp32.dtype_auto
+    named = Platform.choose(EngineConfig(dtype="float32"), isa=AVX2, env={})
+    for q in ("gguf", "int4"):
+        assert platform(dtype="bfloat16").plan(arch(), quantization=q).int8_activations
+        assert not named.plan(arch(), quantization=q).int8_activations
+        assert dataclasses.replace(auto_fp32, cpu_kernels=lambda: True).plan(
+            arch(), quantization=q).int8_activations
+    assert not platform(dtype="bfloat16").plan(arch()).int8_activations
 
 
 def test_the_cpu_backend_is_built_as_planned() -> None:

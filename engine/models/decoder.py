@@ -169,7 +169,8 @@ class DecoderModel:
                bias: torch.Tensor | None = None) -> Linear | Int8Linear | GGUFLinear:
         """One matmul over the named weights stacked by rows (q/k/v, gate/up)."""
         if any(isinstance(w[n], QuantWeight) for n in names):
-            return GGUFLinear([w[n] for n in names], bias, self.dtype)
+            return GGUFLinear([w[n] for n in names], bias, self.dtype,
+                              self.plan.int8_activations)
         if self._int8:
             parts = [self._int8[n] for n in names]
             if len(parts) == 1:

@@ -121,7 +121,8 @@ class GGUFLinear:
     tile_bytes = 4 << 20
     _tiles = threading.local()  # one tile buffer a thread, shared by every GGUFLinear
 
-    def __init__(self, parts: list[Any], bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(self, parts: list[Any], bias: torch.Tensor | None, dtype: torch.dtype,
+                 int8_x: bool | None = None) -> None:
         from engine.gguf_weights import QuantWeight
 
         merged: list[Any] = []
@@ -135,6 +136,8 @@ class GGUFLinear:
                 merged.append(p if isinstance(p, QuantWeight) else p.to(dtype).contiguous())
         self.parts = merged
         self.bias, self.dtype = bias, dtype
+        # the small-batch kernel's x in int8 (ModelPlan.int8_activations; None: in bf16)
+        self.int8_x = dtype == torch.bfloat16 if int8_x is None else int8_x
         self.in_features = int(parts[0].shape[1])
         self.out_features = sum(int(p.shape[0]) for p in parts)
 
@@ -153,7 +156,8 @@ class GGUFLinear:
             if not isinstance(p, QuantWeight):
                 dest.copy_(F.linear(x, p))
             elif 0 < n <= self.small_rows[p.qtype]:
-                cpu_ops.gguf_linear_small(x, p.data, p.qtype, None, out=dest)
+                cpu_ops.gguf_linear_small(x, p.data, p.qtype, None, out=dest,
+                                          int8_x=self.int8_x)
             elif tiled and 0 < n <= most:
                 cpu_ops.gguf_linear_tiled(x, p.data, p.qtype, None, out=dest)
             else:

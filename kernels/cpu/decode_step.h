@@ -58,6 +58,7 @@ struct StepModel {
   // per layer q's then k's RMSNorm weight [head_dim], applied to each head before rotary
   // (Qwen3); empty: none
   std::vector<const T*> qk_norms;
+  bool int8_x = false;  // GGUF parts take x quantized to int8 (QPrepared)
   int64_t rotary_dim = 0;  // the dims of each head that rotate (Phi-3: fewer than head_dim)
   std::vector<int64_t> rope_layers;  // per layer 1 (rotary) or 0 (NoPE); empty: all rotary
 };
@@ -72,12 +73,12 @@ inline void split(int64_t n, int tid, int nt, int64_t align, int64_t& b, int64_t
 // microseconds, no barrier).
 template <typename T>
 inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, float* xf, int tid,
-                        int nt, QPrepared& qp) {
+                        int nt, QPrepared& qp, bool int8_x) {
   int64_t o0, o1;
   if (!L.q.empty()) {
     to_fp32(xf, x, L.in, rows, L.in);
     for (const StepQPart& P : L.q) {
-      qp.fill<T>(P.t, xf, rows, L.in);
+      qp.fill(P.t, xf, rows, L.in, int8_x);
       split(P.out, tid, nt, 1, o0, o1);
       qlinear_range_any(y + P.col0, L.out, x, L.in, xf, rows, qp, P.t, P.w, P.row_bytes, L.in,
                         L.bias ? L.bias + P.col0 : nullptr, o0, o1);
@@ -190,7 +191,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
                      x + r * hidden, m.norms[2 * l], hidden, m.eps, l > 0);
       prefetch_slice(L[0], tid, n);
 #pragma omp barrier
-      step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n, qp);
+      step_linear(L[0], qkv.data(), h.data(), rows, xf.data(), tid, n, qp, m.int8_x);
 #pragma omp barrier
       const auto kv = step_kv<T, C>(m, l);
       if (!m.qk_norms.empty()) {  // each q and k head of this thread's rows, in place
@@ -218,20 +219,20 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
         for (int64_t g = g0; g < g1; ++g) merge_group<ND>(plan, g, att.data(), qstart, lsh);
 #pragma omp barrier
       }
-      step_linear(L[1], tmp.data(), att.data(), rows, xf.data(), tid, n, qp);
+      step_linear(L[1], tmp.data(), att.data(), rows, xf.data(), tid, n, qp, m.int8_x);
 #pragma omp barrier
       for (int64_t r = r0; r < r1; ++r)
         rms_norm_row(h.data() + r * hidden, tmp.data() + r * hidden, x + r * hidden,
                      m.norms[2 * l + 1], hidden, m.eps, true);
       prefetch_slice(L[2], tid, n);
 #pragma omp barrier
-      step_linear(L[2], gu.data(), h.data(), rows, xf.data(), tid, n, qp);
+      step_linear(L[2], gu.data(), h.data(), rows, xf.data(), tid, n, qp, m.int8_x);
 #pragma omp barrier
       for (int r = 0; r < rows; ++r)
         silu_and_mul_row(act.data() + r * I, gu.data() + r * 2 * I, I, c0, c1);
       prefetch_slice(L[3], tid, n);
 #pragma omp barrier
-      step_linear(L[3], tmp.data(), act.data(), rows, xf.data(), tid, n, qp);
+      step_linear(L[3], tmp.data(), act.data(), rows, xf.data(), tid, n, qp, m.int8_x);
 #pragma omp barrier
     }
     for (int64_t r = r0; r < r1; ++r)
@@ -239,7 +240,7 @@ void decode_step_impl(const StepModel<T>& m, T* logits, T* x, int rows, int64_t 
                    m.norms[2 * m.layers], hidden, m.eps, true);
     prefetch_slice(m.linears[4 * m.layers], tid, n);
 #pragma omp barrier
-    step_linear(m.linears[4 * m.layers], logits, h.data(), rows, xf.data(), tid, n, qp);
+    step_linear(m.linears[4 * m.layers], logits, h.data(), rows, xf.data(), tid, n, qp, m.int8_x);
   }
 }
 

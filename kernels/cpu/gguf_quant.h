@@ -420,23 +420,25 @@ inline void qdot_row_bf16(QType t, const uint8_t* w, const c10::BFloat16* x, int
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
 // K types against x quantized to int8 (llama.cpp's approach for its K-quant dot products;
 // the code here is ours): each 256 values of an x row take one scale dx = max|x| / 127 and
 // x_q = round(x / dx). The 4-6 bit codes then meet x_q as bytes: vpmaddubsw sums code x
-// x_q over pairs into 16 bits (at most 63 * 127 * 2, no saturation), vpdpwssd multiplies
-// those by the sub-block scales (16 bits) and sums into 32-bit lanes, so a sub-block's
-// scale costs nothing per value, and one int -> float conversion a 256-value block
-// applies d dx. The offsets (-dmin m, -32 d sc) multiply the sums of the quantized x over
-// their groups (dx sum x_q), kept in fp32. About a third of the instructions of the bf16
-// lookup path: the decode loop is bound by memory again rather than by the core.
+// x_q over pairs into 16 bits (at most 63 * 127 * 2, no saturation), vpdpwssd (AVX-512
+// VNNI; vpmaddwd and an add on AVX2) multiplies those by the sub-block scales (16 bits)
+// and sums into 32-bit lanes, so a sub-block's scale costs nothing per value, and one
+// int -> float conversion a 256-value block applies d dx. The offsets (-dmin m, -32 d sc)
+// multiply the sums of the quantized x over their groups (dx sum x_q), kept in fp32. About
+// a third of the instructions of the bf16 lookup path and a quarter of the fp32 one: the
+// decode loop is bound by memory again rather than by the core. x is quantized where the
+// caller asks (QPrepared: every bf16 run, and fp32 runs but those asked for by name).
 struct XQ {
   std::vector<int8_t> q;     // [rows, in]
   std::vector<float> dx;     // [rows, in / group]
   std::vector<float> sums;   // [rows, in / 16]: dx * (sum of x_q over 16 values)
   std::vector<float> sums32; // [rows, in / 32]
   int64_t in = 0, group = 256;
-  // group: the values that share a scale (256 for the K types, 64 for Q4_0/Q4_1)
+  // group: the values that share a scale (256 for the K types, 64 for Q4_0/Q4_1/Q8_0)
   void fill(const float* xf, int rows, int64_t n, int64_t g = 256) {
     in = n;
     group = g;
@@ -448,25 +450,60 @@ struct XQ {
     for (int m = 0; m < rows; ++m)
       for (int64_t b = 0; b < ng; ++b) {
         const float* x = xf + m * in + b * group;
-        __m512 amax = _mm512_setzero_ps();
-        for (int i = 0; i < group; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-        const float mx = _mm512_reduce_max_ps(amax);
-        const float d = mx / 127.0f, inv = mx > 0 ? 127.0f / mx : 0.0f;
-        dx[m * ng + b] = d;
         int8_t* qb = q.data() + m * in + b * group;
         float* sb = sums.data() + m * (in / 16) + b * (group / 16);
-        for (int i = 0; i < group; i += 16) {
-          const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtsepi32_epi8(v));
-          sb[i / 16] = d * float(_mm512_reduce_add_epi32(v));
-        }
+        dx[m * ng + b] = quantize_group(x, qb, sb);
         for (int64_t k = 0; k < group / 32; ++k)
           sums32[m * (in / 32) + b * (group / 32) + k] = sb[2 * k] + sb[2 * k + 1];
       }
   }
   const int8_t* row(int m) const { return q.data() + m * in; }
-};
 
+ private:
+  // x_q of one group into qb, dx * (sum of x_q) of each 16 values into sb; returns dx
+  float quantize_group(const float* x, int8_t* qb, float* sb) const {
+#if defined(__AVX512F__)
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < group; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+    const float mx = _mm512_reduce_max_ps(amax);
+    const float d = mx / 127.0f, inv = mx > 0 ? 127.0f / mx : 0.0f;
+    for (int i = 0; i < group; i += 16) {
+      const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), _mm512_set1_ps(inv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + i), _mm512_cvtsepi32_epi8(v));
+      sb[i / 16] = d * float(_mm512_reduce_add_epi32(v));
+    }
+    return d;
+#else
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int i = 0; i < group; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = mx / 127.0f, inv = mx > 0 ? 127.0f / mx : 0.0f;
+    const __m256 vinv = _mm256_set1_ps(inv);
+    // packs interleave 128-bit lanes: 32-bit groups back into value order
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < group; i += 32) {
+      __m256i v[4];
+      for (int k = 0; k < 4; ++k) v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), vinv));
+      for (int h = 0; h < 2; ++h) {
+        const __m256i s = _mm256_add_epi32(v[2 * h], v[2 * h + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        sb[i / 16 + h] = d * float(_mm_cvtsi128_si32(s4));
+      }
+      const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + i), _mm256_permutevar8x32_epi32(b, order));
+    }
+    return d;
+#endif
+  }
+};
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 inline __m512i bytes_low(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
 
 // The same 32 bytes in both halves of a vector, the upper half shifted right by `bits`
@@ -601,6 +638,158 @@ inline bool qreads_q8(QType t, int64_t in) {
 
 // The values x is quantized by for type t (qdot_row_q8).
 inline int64_t q8_group(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 ? 64 : 256; }
+#elif defined(__AVX2__)
+// The int8 dot products on AVX2 (no VNNI): 32 values a vector, vpmaddubsw (code x x_q over
+// pairs, 16 bits) then vpmaddwd by the group's scale (or by 1) into 32-bit sums.
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 8 bit-codes in 16-bit lanes: a (lanes 0-7) and b (lanes 8-15), as vpmaddwd's operand
+inline __m256i scale_pair(int a, int b) {
+  return _mm256_set_m128i(_mm_set1_epi16(int16_t(b)), _mm_set1_epi16(int16_t(a)));
+}
+
+// Q4_0/Q4_1 (x per 64 values) and Q8_0 (its signed codes: |w| meets x with w's sign)
+template <int M>
+inline void qdot_row_q4(QType t, const uint8_t* w, const XQ& xq, float* sums) {
+  const bool one = t == QType::Q4_1, eight = t == QType::Q8_0;
+  const int64_t in = xq.in, bs = eight ? 34 : one ? 20 : 18, qo = one ? 4 : 2;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[M];
+  float off[M];
+  for (int m = 0; m < M; ++m) {
+    acc[m] = _mm256_setzero_ps();
+    off[m] = 0.0f;
+  }
+  for (int64_t b = 0; b < in / 32; ++b, w += bs) {
+    const float d = half_at(w);
+    __m256i q;
+    if (eight) {
+      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+    } else {  // value i in byte i's low nibble, 16 + i in its high one
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + qo));
+      q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);
+    }
+    const __m256i uq = eight ? _mm256_abs_epi8(q) : q;
+    const float o = one ? half_at(w + 2) : eight ? 0.0f : -8.0f * d;
+    for (int m = 0; m < M; ++m) {
+      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.row(m) + 32 * b));
+      if (eight) xv = _mm256_sign_epi8(xv, q);
+      const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, xv), ones);
+      const float dx = xq.dx[m * (in / 64) + b / 2];
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc[m]);
+      if (!eight) off[m] += o * xq.sums32[m * (in / 32) + b];
+    }
+  }
+  for (int m = 0; m < M; ++m) sums[m] = hsum_ps(acc[m]) + off[m];
+}
+
+template <int M>
+inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
+  if (t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q8_0)
+    return qdot_row_q4<M>(t, w, xq, sums);
+  const int64_t in = xq.in, nb = in / 256;
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  __m256 acc[M], offv[M];
+  for (int m = 0; m < M; ++m) acc[m] = offv[m] = _mm256_setzero_ps();
+  if (t == QType::Q4_K || t == QType::Q5_K) {
+    const bool five = t == QType::Q5_K;
+    for (int64_t b = 0; b < nb; ++b, w += five ? 176 : 144) {
+      const float d = half_at(w), dmin = half_at(w + 2);
+      uint64_t sc8, mn8;
+      k4_scales_all(w + 4, sc8, mn8);
+      const __m256 mins = k4_times(dmin, mn8);
+      const uint8_t* qs = w + (five ? 48 : 16);
+      const __m256i qh = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16))
+                              : _mm256_setzero_si256();
+      __m256i ia[M];
+      for (int m = 0; m < M; ++m) ia[m] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        if (five) {  // bit 2c (lo) or 2c + 1 (hi) of each value's qh byte
+          const __m256i one = _mm256_set1_epi8(1);
+          const __m256i h = _mm256_srli_epi16(qh, 2 * c);
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+        }
+        const __m256i s_lo = _mm256_set1_epi16(int16_t((sc8 >> (16 * c)) & 0xFF));
+        const __m256i s_hi = _mm256_set1_epi16(int16_t((sc8 >> (16 * c + 8)) & 0xFF));
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = xq.row(m) + b * 256 + 64 * c;
+          const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+          const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+          ia[m] = _mm256_add_epi32(ia[m], _mm256_add_epi32(
+              _mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), s_lo),
+              _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), s_hi)));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m]), _mm256_set1_ps(d * xq.dx[m * nb + b]),
+                                 acc[m]);
+        offv[m] = _mm256_fmadd_ps(mins, _mm256_loadu_ps(xq.sums32.data() + m * (in / 32) + b * 8),
+                                  offv[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) sums[m] = hsum_ps(_mm256_sub_ps(acc[m], offv[m]));
+    return;
+  }
+  // Q6_K: each 128 values from 64 bytes of low nibbles and 32 of high pairs; quarter j of
+  // them takes scales 2j (its first 16 values) and 2j + 1
+  const __m256i top = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < nb; ++b, w += 210) {
+    const float d = half_at(w + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(w + 192);
+    const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
+    const __m256 dsc0 = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8)));
+    const __m256 dsc1 = _mm256_mul_ps(_mm256_set1_ps(d),
+                                      _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8))));
+    __m256i ia[M];
+    for (int m = 0; m < M; ++m) ia[m] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const __m256i la = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * h));
+      const __m256i lb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * h + 32));
+      const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * h));
+      const __m256i q[4] = {
+          _mm256_or_si256(_mm256_and_si256(la, nib), _mm256_and_si256(_mm256_slli_epi16(hv, 4), top)),
+          _mm256_or_si256(_mm256_and_si256(lb, nib), _mm256_and_si256(_mm256_slli_epi16(hv, 2), top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), nib), _mm256_and_si256(hv, top)),
+          _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), nib),
+                          _mm256_and_si256(_mm256_srli_epi16(hv, 2), top))};
+      const int8_t* s = sc + 8 * h;
+      __m256i sv[4];
+      for (int j = 0; j < 4; ++j) sv[j] = scale_pair(s[2 * j], s[2 * j + 1]);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = xq.row(m) + b * 256 + 128 * h;
+        for (int j = 0; j < 4; ++j)
+          ia[m] = _mm256_add_epi32(ia[m], _mm256_madd_epi16(_mm256_maddubs_epi16(
+              q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * j))), sv[j]));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[m]), _mm256_set1_ps(d * xq.dx[m * nb + b]),
+                               acc[m]);
+      const float* s16 = xq.sums.data() + m * (in / 16) + b * 16;
+      offv[m] = _mm256_fmadd_ps(dsc0, _mm256_loadu_ps(s16),
+                                _mm256_fmadd_ps(dsc1, _mm256_loadu_ps(s16 + 8), offv[m]));
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    sums[m] = hsum_ps(_mm256_sub_ps(acc[m], _mm256_mul_ps(offv[m], _mm256_set1_ps(32.0f))));
+}
+
+// Whether qlinear_small takes type t through qdot_row_q8 for rows of `in` values (the
+// 32-value types take x quantized per 64 values: rows of a multiple of 64).
+inline bool qreads_q8(QType t, int64_t in) {
+  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K || in % 64 == 0;
+}
+
+inline int64_t q8_group(QType t) {
+  return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q8_0 ? 64 : 256;
+}
 #else
 inline bool qreads_q8(QType, int64_t) { return false; }
 inline int64_t q8_group(QType) { return 256; }
@@ -1070,22 +1259,22 @@ inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat1
 }
 #endif
 
-#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-struct XQ {  // (CPUs without VNNI never quantize x)
+#if !defined(__AVX2__)
+struct XQ {  // (CPUs without AVX2 never quantize x)
   void fill(const float*, int, int64_t, int64_t) {}
 };
 #endif
 
 // What the dot products of one x (1-8 rows) need beside it, made once for every weight
-// row: the int8 form of x (K types in bf16 where the CPU has VNNI: qdot_row_q8) or the
-// sums of its fp32 copy over each group (qdot_row, qdot_row_bf16).
+// row: the int8 form of x (where the caller asks for it, int8_x, and the CPU has AVX2:
+// qdot_row_q8) or the sums of its fp32 copy over each group (qdot_row, qdot_row_bf16:
+// the exact sums of the dequantized weights, up to fp32 rounding).
 struct QPrepared {
   XSums xs;
   XQ xq;
   bool q8 = false;
-  template <typename T>
-  void fill(QType t, const float* xf, int rows, int64_t in) {
-    q8 = std::is_same_v<T, c10::BFloat16> && qreads_q8(t, in);  // (fp32 runs stay exact)
+  void fill(QType t, const float* xf, int rows, int64_t in, bool int8_x) {
+    q8 = int8_x && qreads_q8(t, in);
     if (q8)
       xq.fill(xf, rows, in, q8_group(t));
     else
@@ -1104,7 +1293,7 @@ void qlinear_range(T* y, int64_t y_stride, const T* x, int64_t x_stride, const f
     const uint8_t* wr = w + o * row_bytes;
     prefetch_w_row(wr, row_bytes);
     float sums[M];
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX2__)
     if (p.q8) {
       qdot_row_q8<M>(t, wr, p.xq, sums);
       finish_rows(y, y_stride, o, sums, M, nullptr, bias);
@@ -1149,9 +1338,9 @@ void qlinear_range_any(T* y, int64_t y_stride, const T* x, int64_t x_stride, con
 template <typename T>
 void qlinear_small_any(T* y, int64_t y_stride, const T* x, int64_t x_stride, const float* xf,
                        int rows, QType t, const uint8_t* w, int64_t row_bytes, int64_t in,
-                       int64_t out, const T* bias) {
+                       int64_t out, const T* bias, bool int8_x) {
   QPrepared p;
-  p.fill<T>(t, xf, rows, in);
+  p.fill(t, xf, rows, in, int8_x);
   const int64_t grain = std::max<int64_t>(8, out / (4 * at::get_num_threads()));
   at::parallel_for(0, out, grain, [&](int64_t o0, int64_t o1) {
     qlinear_range_any(y, y_stride, x, x_stride, xf, rows, p, t, w, row_bytes, in, bias, o0, o1);

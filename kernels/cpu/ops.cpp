@@ -303,7 +303,7 @@ void linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
 // y = x W^T (+ bias) for 1-8 rows of x and a GGUF block-quantized W (gguf_quant.h);
 // `out` may be a column slice of a wider output (rows of stride out.stride(0)).
 void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool int8_x) {
   check(qtype_known(qtype), "gguf_linear_small: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
   const QType t = QType(qtype);
   const QTypeInfo info = qtype_info(t);
@@ -323,7 +323,7 @@ void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   auto run = [&](auto* y, const auto* xp, const auto* bp) {
     to_fp32(xf.data(), xp, x.stride(0), rows, in);
     qlinear_small_any(y, out.stride(0), xp, x.stride(0), xf.data(), int(rows), t,
-                      w.const_data_ptr<uint8_t>(), w.size(1), in, o, bp);
+                      w.const_data_ptr<uint8_t>(), w.size(1), in, o, bp, int8_x);
   };
   if (x.scalar_type() == at::kFloat)
     run(out.data_ptr<float>(), x.const_data_ptr<float>(),
@@ -365,6 +365,13 @@ void gguf_linear_tiled(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
 
 // Whether the kernels use AMX (the CPU has it, the compiler targeted it and this process
 // was granted its tile state); allow = 0 or 1 turns its use off or back on first (-1 asks).
+// Whether gguf_linear_small, asked for int8 x, multiplies x as int8 for weights of type
+// `qtype` with rows of `in` values on this CPU (gguf_quant.h qreads_q8).
+bool gguf_reads_int8(int64_t qtype, int64_t in) {
+  check(qtype_known(qtype), "gguf_reads_int8: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  return qreads_q8(QType(qtype), in);
+}
+
 bool cpu_amx(int64_t allow) {
   if (allow >= 0) amx_allowed() = allow != 0;
 #if defined(TW_AMX)
@@ -569,7 +576,7 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
                  const c10::List<c10::optional<at::Tensor>>& biases, double eps, double scale,
                  int64_t num_heads, at::IntArrayRef windows, at::TensorList qk_norms,
                  int64_t rotary_dim, at::IntArrayRef rope_layers, at::IntArrayRef part_counts,
-                 at::IntArrayRef qtypes) {
+                 at::IntArrayRef qtypes, bool int8_x) {
   const int64_t rows = x.size(0), num_seqs = seq_lens.size(0);
   check(rows >= 1 && rows <= kMaxLinearRows, "decode_step takes 1 to 8 query tokens");
   check(x.is_contiguous() && logits.is_contiguous() && logits.size(0) == rows &&
@@ -599,6 +606,7 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
   if (x.scalar_type() == at::kFloat) {
     auto m = step_model<float>(norms, linears, scales, biases, k_caches, v_caches, num_heads, eps,
                                windows, qk_norms, rotary_dim, rope_layers, part_counts, qtypes);
+    m.int8_x = int8_x;
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.rotary_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<float>(logits, x, positions, slot_mapping, block_table, seq_lens,
@@ -607,6 +615,7 @@ void decode_step(at::Tensor& logits, at::Tensor& x, const at::Tensor& positions,
     auto m = step_model<c10::BFloat16>(norms, linears, scales, biases, k_caches, v_caches,
                                        num_heads, eps, windows, qk_norms, rotary_dim,
                                        rope_layers, part_counts, qtypes);
+    m.int8_x = int8_x;
     check(logits.size(1) == m.vocab && x.size(1) == m.hidden && cos.size(1) == m.rotary_dim / 2,
           "decode_step: logits, x or rope table width");
     decode_step_typed<c10::BFloat16>(logits, x, positions, slot_mapping, block_table, seq_lens,
@@ -673,10 +682,12 @@ TORCH_LIBRARY(tidewire, m) {
         "int num_decodes=-1, int window=0, Tensor? cascade_members=None, "
         "Tensor? cascade_offsets=None, Tensor? cascade_shared=None) -> ()",
         &tw::paged_attention);
-  m.def("gguf_linear_small(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
+  m.def("gguf_linear_small(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias, "
+        "bool int8_x) -> ()",
         &tw::gguf_linear_small);
   m.def("gguf_dequant(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_dequant);
   m.def("cpu_amx(int allow=-1) -> bool", &tw::cpu_amx);
+  m.def("gguf_reads_int8(int qtype, int in_features) -> bool", &tw::gguf_reads_int8);
   m.def("gguf_linear_tiled(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
         &tw::gguf_linear_tiled);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
@@ -690,7 +701,7 @@ TORCH_LIBRARY(tidewire, m) {
         "Tensor(c!)[] k_caches, Tensor(d!)[] v_caches, Tensor[] norms, Tensor[] linears, "
         "Tensor?[] scales, Tensor?[] biases, float eps, float scale, int num_heads, "
         "int[] windows, Tensor[] qk_norms, int rotary_dim=0, int[] rope_layers=[], "
-        "int[] part_counts=[], int[] qtypes=[]) -> ()",
+        "int[] part_counts=[], int[] qtypes=[], bool int8_x=False) -> ()",
         &tw::decode_step);
   m.def("linear_small(Tensor(a!) out, Tensor x, Tensor w, Tensor? scale, Tensor? bias) -> ()",
         &tw::linear_small);
