@@ -202,8 +202,9 @@ def gguf_linear_small(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     once. int8_x (None: where x is bf16): x quantized to int8 per 256 values (64 for the
     32-value types) and multiplied as bytes, on CPUs with AVX2 (llama.cpp's way: each
     value rounded to 1/254 of its group's largest magnitude, well inside the 4-6 bit
-    weights' own rounding); False: the sums in fp32, as exact as the dequantized matmul. `out`: where to write ([rows,
-    out], unit column stride; a column slice of a wider tensor will do)."""
+    weights' own rounding); False: the sums in fp32, as exact as the dequantized matmul.
+    `out`: where to write ([rows, out], unit column stride; a column slice of a wider
+    tensor will do)."""
     if out is None:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     if int8_x is None:

@@ -336,6 +336,62 @@ def _assert_same_config(original: Path, converted: Path) -> None:
             assert getattr(b, k) == getattr(a, k), k
 
 
+def test_header_reader_reads_what_the_gguf_package_reads(tmp_path: Path) -> None:
+    """gguf_reader._reader (its own walk of the header) against the `gguf` package's
+    GGUFReader on a file of every value type, arrays short and long (a long one is kept
+    as its length only) and tensors typed and block-quantized, at a 64-byte alignment."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
+
+    path = tmp_path / "every-field.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_custom_alignment(64)
+    w.add_uint8("t.u8", 7)
+    w.add_int8("t.i8", -7)
+    w.add_uint16("t.u16", 65000)
+    w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -5)
+    w.add_float32("t.f32", 1e-6)
+    w.add_float64("t.f64", 2.5)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo")
+    w.add_uint64("t.u64", 1 << 40)
+    w.add_int64("t.i64", -(1 << 40))
+    w.add_array("t.short", ["a", "bc", ""])
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.long", [f"tok{i}" for i in range(5000)])
+    w.add_array("t.scores", [float(i) for i in range(5000)])
+    g = np.random.default_rng(0)
+    w.add_tensor("a.f32", g.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("b.f16", g.standard_normal((2, 32)).astype(np.float16))
+    q = quants.quantize(g.standard_normal((4, 64)).astype(np.float32), GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.q8", q, raw_dtype=GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = gguf_reader._reader(path), GGUFReader(path)
+    assert set(ours.fields) == set(theirs.fields)
+    for key, theirs_field in theirs.fields.items():
+        if theirs_field.types[0] == GGUFValueType.ARRAY and len(theirs_field.data) > 4096:
+            assert ours.fields[key].value is None and ours.fields[key].length == 5000
+        else:
+            assert ours.fields[key].contents() == theirs_field.contents(), key
+    assert ours.fields["t.str"].value == "héllo" and ours.fields["t.ints"].value == [1, 2, 3]
+    assert [t.name for t in ours.tensors] == ["a.f32", "b.f16", "c.q8"]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, a.n_elements, a.n_bytes, a.data_offset) == \
+            (b.tensor_type, b.n_elements, b.n_bytes, b.data_offset)
+        assert a.data_offset % 64 == 0 and list(a.shape) == list(b.shape)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+    meta = gguf_reader._metadata(ours)
+    assert meta["t.f32"] == 1e-06 and meta["t.long"] == 5000 and meta["t.short"] == ["a", "bc", ""]
+    bad = tmp_path / "not.gguf"
+    bad.write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(gguf_reader.GGUFReadError, match="not a GGUF file"):
+        gguf_reader._reader(bad)
+
+
 def test_own_reader_dequantizes_q8_0(gguf_files, family_models, tmp_path: Path) -> None:
     path = gguf_files("qwen3", "q8_0")
     gguf_reader.convert(path, tmp_path)
