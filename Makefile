@@ -8,7 +8,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyprojec
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: install system-deps test lint fuzz chaos scale-out families soak spec page serve bench clean
+.PHONY: install system-deps test lint fuzz chaos scale-out families triton soak spec page serve bench clean
 
 $(VPY):
 	@echo "creating $(VENV) (install log: $(VENV)/install.log)"
@@ -41,14 +41,14 @@ clients/js/node_modules/.installed: clients/js/package.json clients/js/package-l
 	@$(Q) "npm: the JS SDK's dev dependencies" sh -c "cd clients/js && npm ci --no-audit --no-fund"
 	@touch $@
 
-# the soak runs 120 s beside the other tests at idle priority (tests/soak.py). Left to
+# the soak runs 60 s beside the other tests at idle priority (tests/soak.py). Left to
 # their own targets, to hold this command to 10 minutes on 2 cores: the hostile-value
 # fuzzer (make fuzz), Redis chaos and SIGTERM under load (make chaos), the replicas
 # behind HAProxy (make scale-out); `pytest` with no arguments runs them all
 LONG    := tests/adversarial/test_hostile_fields.py tests/chaos/test_redis_chaos.py \
            tests/chaos/test_sigterm.py tests/test_scale_out.py tests/test_replicas_resume.py
 test: install
-	TIDEWIRE_SOAK_BACKGROUND=120 $(VPY) -m pytest -rs --durations=15 $(addprefix --ignore=,$(LONG))
+	TIDEWIRE_SOAK_BACKGROUND=60 $(VPY) -m pytest -rs --durations=15 $(addprefix --ignore=,$(LONG))
 
 # the fuzzers at full length: 10,000 socket frames (hypothesis, stateful), 2,000 hostile
 # values per protocol (tests/adversarial), 300 schemathesis examples per HTTP operation
@@ -79,6 +79,13 @@ chaos: install
 # a GGUF of every family written by llama.cpp's converter (make test: five of them)
 families: install
 	TIDEWIRE_FAMILY_MATRIX=1 $(VPY) -m pytest -rs tests/test_families.py tests/test_gguf_families.py
+
+# the engine under the Triton interpreter at length: three families (windows, q/k norms,
+# Gemma's norms, partial rotary, experts) and the decode-graph path (make test runs the
+# Triton kernels and one engine comparison)
+triton: install
+	TIDEWIRE_TRITON_FULL=1 $(VPY) -m pytest -rs tests/test_families.py tests/test_kernels.py \
+		-k "triton or graph"
 
 # replicas behind HAProxy on the default model, with the cross-replica prefix timing, and
 # streams and stored responses continued across replicas on one Redis (`pytest` with no

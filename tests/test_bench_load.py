@@ -2,7 +2,7 @@
 subprocess (tiny model): sockets of every role loop, and the server ends with every KV
 block back, no error, its fds back where they were and its RSS flat after warm-up. Run
 alone it soaks inline for TIDEWIRE_SOAK_SECONDS (60; `make soak`: 1,800); `make test`
-soaks 180 s beside the rest of the suite at idle priority (tests/soak.py) and this test,
+soaks 60 s beside the rest of the suite at idle priority (tests/soak.py) and this test,
 run last, checks that soak."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def test_soak_every_role_no_errors_blocks_back_flat_memory(background_soak, tiny
         assert isinstance(a, argparse.Namespace)
         r = load.run(a)
         print("\n" + load.report(r))
-    # RSS after the warm-up: within 10% over 1-3 minutes (`make soak`: 30 minutes, where
+    # RSS after the warm-up: within 10% over 1-2 minutes (`make soak`: 30 minutes, where
     # the committed run drifted 1.5%)
     soak.check(r, max_drift_pct=10.0)
     load.plot(r, tmp_path / "soak.png")

@@ -569,6 +569,7 @@ async def test_connection_status_reconnect_and_resume(server) -> None:
         await proxy.close()
 
 
+@full_only
 async def test_where_websockets_are_blocked_the_page_answers_over_http(server) -> None:
     """A network that lets HTTP through but not the WebSocket upgrade: after the socket
     fails three times the page says "connected over HTTP" and answers stream over

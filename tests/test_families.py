@@ -69,10 +69,11 @@ COMBINED = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16)
 # global layers only, which the blocks behind the window move to (block_manager.HybridPool)
 HYBRID = dict(num_kv_blocks=48, num_full_kv_blocks=16)
 FULL_MATRIX = os.environ.get("TIDEWIRE_FAMILY_MATRIX", "") not in ("", "0")
-# the families `make test` also runs under the Triton interpreter (~10 s each): between
-# them windows, q/k norms, Gemma's norms and experts; `make families` runs them all
-# (partial rotary among them: phi3-partial)
-TRITON_QUICK = ("gemma3", "qwen3-moe")
+# the families `make triton` runs under the Triton interpreter (~10 s each; `make test`
+# none): between them every switch of the model layer (windows, q/k norms, Gemma's norms,
+# partial rotary, experts); `make families` runs them all
+TRITON_FULL = os.environ.get("TIDEWIRE_TRITON_FULL", "") not in ("", "0")
+TRITON_QUICK = ("gemma3", "phi3-partial", "qwen3-moe")
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -122,8 +123,9 @@ def test_family_parity_regimes_combined(family_model, monkeypatch, family: str,
                                         engine_path: str) -> None:
     """One engine per family and path with every regime at once; the same prompts twice
     (the second run hits the prefix cache and the host tier)."""
-    if engine_path == "triton" and family not in TRITON_QUICK and not FULL_MATRIX:
-        pytest.skip("the Triton interpreter runs every family in `make families`")
+    if engine_path == "triton" and not FULL_MATRIX and not (TRITON_FULL and
+                                                             family in TRITON_QUICK):
+        pytest.skip("the Triton interpreter runs families in `make triton` and `make families`")
     path = family_model(family)
     prompts = _prompts(7)
     if engine_path == "triton":  # the interpreter is slow: fewer prompts (one of them
