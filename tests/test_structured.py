@@ -56,8 +56,8 @@ SCHEMAS = {
                        "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
         "required": ["title"]},
 }
-# seeds per schema or kind in the sampled checks (`make fuzz`: 16; `make test` 8)
-SEEDS = int(os.environ.get("TIDEWIRE_STRUCTURED_SEEDS", "8"))
+# seeds per schema or kind in the sampled checks (`make fuzz`: 16; `make test` 6)
+SEEDS = int(os.environ.get("TIDEWIRE_STRUCTURED_SEEDS", "6"))
 ASK = [{"role": "user", "content": "Reply with a small JSON object about a product."}]
 
 
