@@ -30,6 +30,10 @@ CONFIGS = {  # name -> LLM keywords ("none": a .gguf --model dequantized, not ru
     "w-int4": dict(dtype="bfloat16", quantization="int4"),
     # a .gguf --model's own blocks as stored (the reference is its dequantized values)
     "gguf": dict(dtype="bfloat16", quantization="gguf"),
+    # the same in fp32: the exact sums (float32 named), and this machine's own choice
+    # (auto: fp32 with x in int8 into the blocks where the CPU has no native bf16)
+    "gguf-fp32": dict(dtype="float32", quantization="gguf"),
+    "gguf-auto": dict(dtype="auto", quantization="gguf"),
     "fp32+kv-int8": dict(dtype="float32", quantization="none", kv_cache_dtype="int8"),
 }
 

@@ -191,7 +191,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def background_soak(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """With TIDEWIRE_SOAK_BACKGROUND=S (none in `make test`): an S-second soak started with
+    """With TIDEWIRE_SOAK_BACKGROUND=S (`make test`: 60): an S-second soak started with
     the first test, beside the rest of the suite at idle priority (tests/soak.py);
     tests/test_bench_load.py checks it at the end. None otherwise."""
     seconds = os.environ.get("TIDEWIRE_SOAK_BACKGROUND")

@@ -2,8 +2,7 @@
 
 - inline, in `tests/test_bench_load.py` (`pytest tests/test_bench_load.py`: 60 s;
   `make soak`: TIDEWIRE_SOAK_SECONDS=1800);
-- in the background of the whole suite (TIDEWIRE_SOAK_BACKGROUND=S; `make test` leaves the
-  soak to `make soak`):
+- in the background of the whole suite (`make test` sets TIDEWIRE_SOAK_BACKGROUND=60):
   `tidewire bench load` in its own process group at the idle scheduling class, started
   with the first test and checked by the soak test, which runs last. It runs on the CPU
   the rest of the suite leaves idle (the suite keeps ~1.3 of the 2 cores busy), but not

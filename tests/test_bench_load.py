@@ -1,9 +1,9 @@
 """`tidewire bench load`: the role mix, and a soak against a real `tidewire serve`
 subprocess (tiny model): sockets of every role loop, and the server ends with every KV
 block back, no error, its fds back where they were and its RSS flat after warm-up. Run
-alone it soaks inline for TIDEWIRE_SOAK_SECONDS (60; `make soak`: 1,800); with
-TIDEWIRE_SOAK_BACKGROUND=S the soak runs S seconds beside the rest of the suite at idle
-priority (tests/soak.py) and this test, run last, checks it. `make test` leaves it out."""
+alone it soaks inline for TIDEWIRE_SOAK_SECONDS (60; `make soak`: 1,800); `make test`
+soaks 60 s beside the rest of the suite at idle priority (tests/soak.py) and this test,
+run last, checks that soak."""
 
 from __future__ import annotations
 

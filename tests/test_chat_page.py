@@ -28,8 +28,8 @@ COUNT = "Count from 1 to 300, one number per line."
 ANSWER = ".msg.assistant .body"
 DESKTOP = {"width": 1000, "height": 760}
 # the page's longer paths (reload, the key in the fragment, reconnect with backoff, a
-# second phone size) run in `make page` and plain `pytest` with TIDEWIRE_PAGE_FULL=1;
-# `make test` keeps streaming, stop, regenerate, warm, one phone and the HTTP fallback
+# second phone size, the HTTP fallback) run in `make page` and plain `pytest` with
+# TIDEWIRE_PAGE_FULL=1; `make test` keeps streaming, stop, regenerate, warm, one phone
 FULL = os.environ.get("TIDEWIRE_PAGE_FULL", "") not in ("", "0")
 full_only = pytest.mark.skipif(not FULL, reason="runs in `make page` (TIDEWIRE_PAGE_FULL=1)")
 
