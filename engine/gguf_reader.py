@@ -128,6 +128,8 @@ def _reader(path: Path) -> Header:
         nonlocal pos
         if t == 8:
             return string()
+        if t not in _SCALARS:
+            raise GGUFReadError(f"{Path(path).name}: unknown value type {t}")
         fmt = "<" + _SCALARS[t]
         pos += struct.calcsize(fmt)
         return struct.unpack_from(fmt, buf, pos - struct.calcsize(fmt))[0]
@@ -158,7 +160,7 @@ def _reader(path: Path) -> Header:
                                    offset=pos).tolist() if n <= _KEEP else None)
             pos += n * size
         else:
-            raise GGUFReadError(f"{Path(path).name}: {key} is an array of arrays")
+            raise GGUFReadError(f"{Path(path).name}: {key} is an array of value type {item}")
         fields[key] = Field(9, value, n, item)
     entries = []
     for _ in range(n_tensors):
