@@ -207,14 +207,16 @@ def quant_cache_path(config: EngineConfig, model_dir: Path) -> Path | None:
 
 
 def offload_fingerprint(config: EngineConfig, arch: ModelArch, model_dir: Path,
-                        dtype: torch.dtype) -> bytes:
+                        dtype: torch.dtype, int8_activations: bool = False) -> bytes:
     """What the host tier's keys name: blocks of other K/V bytes never share a key."""
     return kv_fingerprint(
         arch.model_type, weights_checksum(model_dir),
         # int8 weights compute other K/V than the same model's bf16 ones; an int8 cache
-        # holds other bytes (and layout) than a bf16 one
+        # holds other bytes (and layout) than a bf16 one; an fp32 run with x in int8
+        # into the 4-bit matmuls (ModelPlan.int8_activations) other K/V than exact sums
         str(dtype).removeprefix("torch.")
         + ("" if config.quantization == "none" else f"+w{config.quantization}")
+        + ("+x8" if int8_activations and dtype == torch.float32 else "")
         + ("" if config.cache.dtype == "auto" else f"+kv{config.cache.dtype}"),
         config.cache.block_size, arch.num_layers, arch.num_kv_heads, arch.head_dim)
 

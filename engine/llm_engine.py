@@ -64,8 +64,9 @@ class LLMEngine:
         self.kv_fingerprint: bytes | None = None
         self.offload: KVOffload | None = None
         if evicted is not None:  # a tier, and prefix caching
-            self.kv_fingerprint = build.offload_fingerprint(self.config, self.arch,
-                                                            self.model_dir, self.dtype)
+            self.kv_fingerprint = build.offload_fingerprint(
+                self.config, self.arch, self.model_dir, self.dtype,
+                self.runner.plan.int8_activations)
             self.offload = build.make_offload(self.config, self.kv_fingerprint, self.kv,
                                               self.runner, evicted)
             weakref.finalize(self, self.offload.stop)  # an engine dropped without close()

@@ -124,6 +124,24 @@ def test_greedy_identical_off_device_hit_restart_and_second_process(tiny_models,
         llm.close()
 
 
+def test_fp32_blocks_computed_with_int8_x_never_share_keys_with_exact_ones(tiny_models) -> None:
+    """An fp32 run whose 4-bit matmuls took x in int8 (dtype auto on a CPU without native
+    bf16) writes other K/V than one with the exact sums: their tier keys differ. In bf16
+    x is always int8 there, so the flag changes nothing."""
+    import torch
+
+    from engine.build import offload_fingerprint
+    from engine.config import EngineConfig
+    from engine.models.arch import ModelArch
+
+    path = tiny_models("llama", 0)
+    arch, cfg = ModelArch.from_dir(path), EngineConfig(quantization="int4")
+    fp = {(dt, x8): offload_fingerprint(cfg, arch, path, dt, x8)
+          for dt in (torch.float32, torch.bfloat16) for x8 in (False, True)}
+    assert fp[torch.float32, True] != fp[torch.float32, False]
+    assert fp[torch.bfloat16, True] == fp[torch.bfloat16, False] != fp[torch.float32, True]
+
+
 def test_keys_are_stable_across_processes_and_separate_models_and_tenants() -> None:
     fp = kv_fingerprint("llama", "abc123", "bfloat16", 16, 30, 3, 64)
     chain = hash_block(root_hash(b"tenant-a"), list(range(16)))
