@@ -60,8 +60,8 @@ def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int, x_mode: str
     blocks = random_blocks(qtype, out, cols, seed=100 + qtype)
     w = torch.from_numpy(blocks)
     ref = dequantized(blocks, qtype, cols)
-    bias = torch.randn(out).to(dtype)
     g = torch.Generator().manual_seed(qtype)
+    bias = torch.randn(out, generator=g).to(dtype)
     quantized = int8_x and cpu_ops.gguf_reads_int8(qtype, cols)
     group = 256 if qtype >= 12 else 64
     for rows in range(1, 9):
@@ -74,8 +74,10 @@ def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int, x_mode: str
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, atol=tol * want.abs().max().item(),
                                    rtol=tol)
-        if quantized:  # (random x and codes: a few parts in a thousand of the largest)
-            assert (got.float() - exact).abs().max() < 2e-2 * exact.abs().max()
+        if quantized and dtype == torch.float32:  # what int8 x adds to the exact sums
+            # (random x and codes: up to 1.2% of the largest output over 20 seeds; a bf16
+            # output adds its own rounding, so that check is the one against `want`)
+            assert (got - exact).abs().max() < 2e-2 * exact.abs().max()
     # into a column slice of a wider output
     x = torch.randn(3, cols, generator=g).to(dtype)
     wide = torch.zeros(3, out + 10, dtype=dtype)
