@@ -5,10 +5,11 @@ Qwen3-MoE's expert width from its config defaults instead of the file (right onl
 checkpoints whose values are those defaults); and drops rope scaling from Llama, Qwen2
 and Phi-3 files: the metadata (linear, yarn), the `rope_freqs` tensor in which
 llama.cpp's converter stores Llama 3.x scaling, Phi-3's longrope factors and partial
-rotary. `reads` says whether a file is one of those; `convert` writes it as the HF
-directory the loader caches: fp32 safetensors under HF checkpoint names, config.json
-(the family's transformers config, defaults filled in) and the tokenizer transformers
-builds from the file's vocabulary.
+rotary. Gemma 3 files are read here too (norm weights stored plus one, llama.cpp's layer
+kinds and query scale), dequantized or as stored. `reads` says whether a file is one of
+those; `convert` writes it as the HF directory the loader caches: fp32 safetensors under
+HF checkpoint names, config.json (the family's transformers config, defaults filled in)
+and the tokenizer transformers builds from the file's vocabulary.
 
 Names map back from llama.cpp's (`blk.N.attn_q.weight`). llama.cpp's converter permutes
 the q/k rows of Llama-family models (llama, smollm3) from HF's half-split rotary layout
@@ -29,14 +30,20 @@ from safetensors.torch import save_file
 
 # llama.cpp architecture -> HF model_type, for the files read here
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "phi3": "phi3", "smollm3": "smollm3",
-               "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+               "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}
 # read here only when the file scales its rope (transformers reads the rest right)
 _SCALED_ONLY = {"llama", "qwen2", "phi3"}
 _PERMUTED = {"llama", "smollm3"}  # q/k rows stored interleaved (see the module docstring)
 _SMOLLM3_NOPE_STEP = 4  # llama.cpp's fixed step: no rotary on layers 3, 7, 11, ...
+# Gemma 3 in llama.cpp: every 6th layer global, the others windowed with rope base 10,000;
+# the query scale 1/sqrt(head_dim), but for the 27B model (62 layers) 1/sqrt(hidden/heads);
+# every norm weight stored plus 1 (HF's Gemma norms multiply by 1 + w, ggml's by w)
+_GEMMA3_GLOBAL_EVERY, _GEMMA3_LOCAL_THETA, _GEMMA3_27B_LAYERS = 6, 10000.0, 62
+_NORM_SHIFT = {"gemma3": 1.0}
 ROPE_FREQS = "rope_freqs.weight"
 LONGROPE = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3 128k, Phi-4-mini
 
@@ -48,6 +55,10 @@ _LAYER = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k_norm": "self_attn.k_norm", "ffn_norm": "post_attention_layernorm",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "ffn_gate_inp": "mlp.gate"}
+# names that differ by family: Gemma 3's four norms a layer
+_ARCH_LAYER = {"gemma3": {"post_attention_norm": "post_attention_layernorm",
+                          "ffn_norm": "pre_feedforward_layernorm",
+                          "post_ffw_norm": "post_feedforward_layernorm"}}
 # Phi-3 keeps HF's fused projections: q/k/v in one matrix, gate and up (in that order) in
 # another
 _FUSED = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
@@ -352,8 +363,26 @@ def _phi3_fields(arch: str, meta: dict[str, Any], tensors: dict[str, Any],
     return out
 
 
+def _gemma3_fields(arch: str, meta: dict[str, Any], tensors: dict[str, Any],
+                   fields: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp does with a gemma3 file, as transformers' Gemma 3 config says it:
+    layer kinds, the window, the query scale, and the rope of each kind (the file's, base
+    and scaling, for the global layers)."""
+    n = fields["num_hidden_layers"]
+    window = _key(meta, arch, "attention.sliding_window", 0)
+    types = ["full_attention" if not window or (i + 1) % _GEMMA3_GLOBAL_EVERY == 0
+             else "sliding_attention" for i in range(n)]
+    scalar = (fields["hidden_size"] // fields["num_attention_heads"]
+              if n == _GEMMA3_27B_LAYERS else fields["head_dim"])
+    return dict(
+        sliding_window=window or None, layer_types=types, query_pre_attn_scalar=scalar,
+        final_logit_softcapping=meta.get(f"{arch}.final_logit_softcapping"),
+        rope_parameters={"full_attention": fields["rope_parameters"], "sliding_attention": {
+            "rope_type": "default", "rope_theta": _GEMMA3_LOCAL_THETA}})
+
+
 _FAMILY_FIELDS = {"smollm3": _smollm3_fields, "qwen3_moe": _qwen3_moe_fields,
-                  "phi3": _phi3_fields}
+                  "phi3": _phi3_fields, "gemma3_text": _gemma3_fields}
 
 
 # -- rope -----------------------------------------------------------------------------
@@ -473,6 +502,8 @@ def hf_weights(arch: str, tensors: dict[str, Any],
 
 
 def _hf_names(arch: str, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    if arch in _NORM_SHIFT and name.endswith("norm.weight"):
+        w = w - _NORM_SHIFT[arch]  # (a norm is 1-D: never a block type)
     if name in _GLOBAL:
         return {_GLOBAL[name]: w}
     parts = name.split(".")  # blk, N, kind, weight|bias
@@ -482,6 +513,8 @@ def _hf_names(arch: str, name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
     prefix = f"model.layers.{layer}"
     if kind in _FUSED.get(arch, {}):
         return {f"{prefix}.{_FUSED[arch][kind]}.{suffix}": w}
+    if kind in _ARCH_LAYER.get(arch, {}):
+        return {f"{prefix}.{_ARCH_LAYER[arch][kind]}.{suffix}": w}
     if kind in _LAYER:
         return {f"{prefix}.{_LAYER[kind]}.{suffix}": w}
     if kind in _EXPERTS:

@@ -57,7 +57,8 @@ CASES = {
                       {"head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
                        "moe_intermediate_size": 32, "norm_topk_prob": True,
                        "vocab_size": 49152}, tokenizer="bpe"),
-    "gemma3": Case("gemma3", "gemma3_text", {"sliding_window": 32}),
+    # the query scale llama.cpp applies (1/sqrt(head_dim)); transformers' default is 256
+    "gemma3": Case("gemma3", "gemma3_text", {"sliding_window": 32, "query_pre_attn_scalar": 16}),
     "phi3": Case("phi3", "phi3"),
     # Phi-3.5-mini / Phi-4-mini: longrope factors, and rotary on part of each head
     "phi3-longrope": Case("phi3", "phi3", {
@@ -70,7 +71,8 @@ CASES = {
     "smollm3": Case("smollm3", "smollm3", {"num_hidden_layers": 4}),
 }
 # the files engine/gguf_reader.py reads (transformers reads them wrong)
-OWN_READER = ["llama3-rope", "qwen2-yarn", "phi3-longrope", "qwen3", "qwen3_moe", "smollm3"]
+OWN_READER = ["llama3-rope", "qwen2-yarn", "phi3-longrope", "qwen3", "qwen3_moe", "smollm3",
+              "gemma3"]
 ENGINE = [(c, "f32") for c in CASES] + [("llama", "q8_0"), ("qwen3", "q8_0")]
 # `make test` converts these (~4 s each); `make families` (TIDEWIRE_FAMILY_MATRIX=1) all
 QUICK = {"llama", "qwen3", "gemma3"}  # (phi3-longrope runs as stored below)
@@ -167,7 +169,7 @@ def test_gguf_greedy_matches_hf(name: str, outtype: str, gguf_files, family_mode
 
 # -- weights run as the file stores them (--quantization gguf) ------------------------------
 
-NATIVE = [("llama", "q8_0"), ("qwen3", "q8_0"), ("phi3-longrope", "q8_0")]
+NATIVE = [("llama", "q8_0"), ("qwen3", "q8_0"), ("phi3-longrope", "q8_0"), ("gemma3", "q8_0")]
 
 
 def _native_run(path: Path, vocab: int) -> tuple[list[list[int]], list[list[int]], LLM]:
@@ -205,11 +207,11 @@ def test_gguf_weights_as_stored_match_hf_on_their_values(name: str, outtype: str
 
 
 def test_a_gguf_file_runs_as_stored_by_default_where_it_can(gguf_files, family_models,
-                                                           loaded_dir) -> None:
+                                                           loaded_dir, tmp_path: Path) -> None:
     """`quantization="auto"` (the default): a .gguf path runs its blocks as they are on
-    the cpu backend in bfloat16 or float32; a family the native path does not read
-    (Gemma 3), float16, the cuda backend and a registry name resolve to "none"
-    (dequantized), as does a directory."""
+    the cpu backend in bfloat16 or float32; a family the native path does not read,
+    float16, the cuda backend and a registry name resolve to "none" (dequantized), as
+    does a directory."""
     from engine.build import resolve_quantization
     from engine.config import EngineConfig
     from engine.models.layers import GGUFLinear
@@ -232,7 +234,17 @@ def test_a_gguf_file_runs_as_stored_by_default_where_it_can(gguf_files, family_m
     assert resolved(str(path), dtype="float16") == "none"
     assert resolved(str(path), attention_backend="cuda") == "none"
     assert resolved(str(path), quantization="none") == "none"
-    assert resolved(str(gguf_files("gemma3", "f32"))) == "none"
+    assert resolved(str(gguf_files("gemma3", "f32"))) == "gguf"
+    from gguf import GGUFWriter
+
+    other = tmp_path / "gpt2.gguf"  # a family the native path does not read
+    writer = GGUFWriter(other, "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file,
+                  writer.write_tensors_to_file):
+        write()
+    writer.close()
+    assert resolved(str(other)) == "none"
     assert resolved("smollm2-135m") == "none"
     assert resolved(str(family_models("llama"))) == "none"
 
@@ -330,7 +342,8 @@ def _assert_same_config(original: Path, converted: Path) -> None:
             "max_position_embeddings", "rope_parameters", "tie_word_embeddings",
             "no_rope_layers", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
             "norm_topk_prob", "mlp_only_layers", "partial_rotary_factor",
-            "original_max_position_embeddings")
+            "original_max_position_embeddings", "sliding_window", "layer_types",
+            "query_pre_attn_scalar", "final_logit_softcapping")
     for k in keys:
         if hasattr(a, k):
             assert getattr(b, k) == getattr(a, k), k
@@ -398,7 +411,7 @@ def test_own_reader_dequantizes_q8_0(gguf_files, family_models, tmp_path: Path) 
     _assert_quantized(load_weights(family_models("qwen3")), load_weights(tmp_path))
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "phi3"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "phi3"])
 def test_transformers_keeps_the_files_it_reads_right(name: str, gguf_files) -> None:
     _quick_or_full(name)
     assert not gguf_reader.reads(gguf_files(name, "f32"))
