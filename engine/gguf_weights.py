@@ -85,9 +85,9 @@ def native_supported(path: Path) -> str | None:
     """None if `path` can run with its weights as they are, else why not."""
     reader = gguf_reader._reader(path)
     arch = gguf_reader._architecture(reader)
-    if arch not in gguf_reader.MODEL_TYPES or arch == "qwen3moe":
+    if arch not in gguf_reader.MODEL_TYPES:
         return (f"architecture {arch!r} (GGUF weights run as they are for "
-                f"{sorted(a for a in gguf_reader.MODEL_TYPES if a != 'qwen3moe')})")
+                f"{sorted(gguf_reader.MODEL_TYPES)})")
     return None
 
 
@@ -130,6 +130,14 @@ def load(path: Path, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tenso
             continue  # in config.json as rope_parameters
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         w: torch.Tensor | QuantWeight
+        if int(t.tensor_type) in kinds and len(shape) == 3:  # [experts, rows, cols]
+            start = int(t.data_offset)
+            data = whole[start : start + int(t.n_bytes)].view(shape[0], shape[1], -1)
+            experts = [QuantWeight(int(t.tensor_type), data[e], shape[2], mapped=True)
+                       for e in range(shape[0])]
+            probe = gguf_reader._hf_names(arch, name, torch.empty(shape[0], 0))
+            out.update(zip(probe, experts))  # one name an expert, in expert order
+            continue
         if int(t.tensor_type) in kinds and len(shape) == 2:
             start = int(t.data_offset)
             data = whole[start : start + int(t.n_bytes)].view(shape[0], -1)

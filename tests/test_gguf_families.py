@@ -169,7 +169,8 @@ def test_gguf_greedy_matches_hf(name: str, outtype: str, gguf_files, family_mode
 
 # -- weights run as the file stores them (--quantization gguf) ------------------------------
 
-NATIVE = [("llama", "q8_0"), ("qwen3", "q8_0"), ("phi3-longrope", "q8_0"), ("gemma3", "q8_0")]
+NATIVE = [("llama", "q8_0"), ("qwen3", "q8_0"), ("phi3-longrope", "q8_0"), ("gemma3", "q8_0"),
+          ("qwen3_moe", "q8_0")]
 
 
 def _native_run(path: Path, vocab: int) -> tuple[list[list[int]], list[list[int]], LLM]:
@@ -200,7 +201,8 @@ def test_gguf_weights_as_stored_match_hf_on_their_values(name: str, outtype: str
     got, want, llm = _native_run(path, vocab)
     assert got == want
     layer = llm.engine.runner.model.layers[0]
-    assert isinstance(layer.qkv, GGUFLinear) and isinstance(layer.mlp.down, GGUFLinear)
+    mlp = layer.mlp.moe.expert_down[0] if hasattr(layer.mlp, "moe") else layer.mlp.down
+    assert isinstance(layer.qkv, GGUFLinear) and isinstance(mlp, GGUFLinear)
     step = llm.engine.runner.compiled_step  # decodes of 1-8 rows: the compiled step reads
     if name == "qwen3":                       # the blocks too (the tiny llama's 16-wide
         assert step is not None and step.steps > 0  # heads are not a shape it takes)

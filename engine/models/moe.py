@@ -129,6 +129,26 @@ class MoE:
         down = torch.stack([d for _, _, d in experts])
         return cls(cfg, router, gate_up, down, **kwargs)
 
+    @classmethod
+    def from_linears(cls, cfg: MoEConfig, router: torch.Tensor, gate_up: Sequence[Any],
+                     down: Sequence[Any],
+                     silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = ref.silu_and_mul
+                     ) -> MoE:
+        """The torch backend over matmuls given per expert, in expert order: gate_up[e]
+        [2I, H] (gate rows, then up), down[e] [H, I], e.g. GGUFLinears reading a GGUF's
+        expert blocks as the file stores them (no stacked copy is made)."""
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+        shapes = {(g.out_features, g.in_features, d.out_features, d.in_features)
+                  for g, d in zip(gate_up, down)}
+        if len(gate_up) != e or len(down) != e or shapes != {(2 * i, h, h, i)}:
+            raise ValueError(f"{len(gate_up)}/{len(down)} experts of shapes {sorted(shapes)}: "
+                             f"want {e} of gate_up [{2 * i}, {h}] and down [{h}, {i}]")
+        moe = cls.__new__(cls)
+        moe.cfg, moe.backend, moe.silu_and_mul = cfg, "torch", silu_and_mul
+        moe.router = Linear(router)
+        moe.expert_gate_up, moe.expert_down = list(gate_up), list(down)
+        return moe
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         if self.backend == "triton":

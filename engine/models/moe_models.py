@@ -10,8 +10,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from engine.gguf_weights import QuantWeight
 from engine.models.arch import ModelArch
 from engine.models.decoder import DecoderModel
+from engine.models.layers import GGUFLinear
 from engine.models.moe import MoE, MoEConfig
 
 
@@ -50,6 +52,13 @@ class _MoEModel(DecoderModel):
         for e in range(cfg.num_experts):  # stacked by from_experts: free the per-expert copies
             for name in (g, u, d):
                 w.pop(f"{p}experts.{e}.{name}.weight")
+        if isinstance(experts[0][0], QuantWeight):  # a GGUF's blocks as they are
+            return ExpertMLP(MoE.from_linears(
+                cfg, w[p + "gate.weight"],
+                [GGUFLinear([gt, up], None, self.dtype, self.plan.int8_activations)
+                 for gt, up, _ in experts],
+                [GGUFLinear([dn], None, self.dtype, self.plan.int8_activations)
+                 for _, _, dn in experts], silu_and_mul=self.ops.silu_and_mul))
         return ExpertMLP(MoE.from_experts(
             cfg, w[p + "gate.weight"], experts,
             keep_plain=(self.plan.keeps_plain(cfg.hidden_size)
