@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import AttentionBackend, StepLayout, cascade_groups
-from kernels.cascade_attention import CascadePrefix
+
+if TYPE_CHECKING:  # (Triton itself is imported where a backend first runs a kernel: the
+    # engine imports this module on every machine, and Triton costs ~70 MB resident)
+    from kernels.cascade_attention import CascadePrefix
 
 # A decode-only step whose longest context reaches this many tokens splits each
 # sequence's keys into partitions (flash-decoding): few long sequences would otherwise
@@ -85,6 +89,8 @@ class TritonAttention(AttentionBackend):
         if len(members) < self.CASCADE_MIN_SEQS or saved < self.CASCADE_MIN_SAVED_BYTES:
             return None
         self.cascade_steps += 1
+        from kernels.cascade_attention import CascadePrefix
+
         return CascadePrefix.build(rows[members[0]][2][: keys // self.block_size], keys,
                                    self.block_size, sum(q for q, _, _ in rows),
                                    self.num_heads, self.num_kv_heads, self.device)
