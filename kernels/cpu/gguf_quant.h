@@ -818,6 +818,14 @@ inline __m512i table_values(__m512i codes, float f, float o) {
   return _mm512_permutexvar_epi16(codes, table);
 }
 
+// table_values with f and o given as vectors of 16 equal lanes.
+inline __m512i table_values_v(__m512i codes, __m512 f, __m512 o) {
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i table = _mm512_castsi256_si512(
+      (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(_mm512_mul_ps(f, iota), o)));
+  return _mm512_permutexvar_epi16(codes, table);
+}
+
 // As table_values for codes < 32 (Q5_K): two 16-lane halves of the table.
 inline __m512i table_values32(__m512i codes, float f, float o) {
   const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -867,8 +875,10 @@ inline bool dequant_row_tables(QType t, const uint8_t* p, int64_t in, c10::BFloa
         uint64_t sc8, mn8;  // the 8 sub-blocks' d sc and dmin m, in vectors (no scalar
         k4_scales_all(p + 4, sc8, mn8);  // work per sub-block: it bounded this loop)
         float f[8], o[8];
-        _mm256_storeu_ps(f, k4_times(d, sc8));
-        _mm256_storeu_ps(o, k4_times(dmin, mn8));
+        const __m256 fv8 = k4_times(d, sc8), ov8 = k4_times(dmin, mn8);
+        _mm256_storeu_ps(f, fv8);
+        _mm256_storeu_ps(o, ov8);
+        const __m512 fv = _mm512_castps256_ps512(fv8), ov = _mm512_castps256_ps512(ov8);
         for (int c = 0; c < 4; ++c) {
           const float f1 = f[2 * c], o1 = o[2 * c], f2 = f[2 * c + 1], o2 = o[2 * c + 1];
           const __m512i q = widen32(qs + 32 * c);
@@ -882,9 +892,12 @@ inline bool dequant_row_tables(QType t, const uint8_t* p, int64_t in, c10::BFloa
                 _mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
             store32(yc, table_values32(lo, f1, o1));
             store32(yc + 32, table_values32(hi, f2, o2));
-          } else {
-            store32(yc, table_values(lo, f1, o1));
-            store32(yc + 32, table_values(hi, f2, o2));
+          } else {  // (the factors broadcast from registers, not reloaded from f, o)
+            const __m512i i1 = _mm512_set1_epi32(2 * c), i2 = _mm512_set1_epi32(2 * c + 1);
+            store32(yc, table_values_v(lo, _mm512_permutexvar_ps(i1, fv),
+                                       _mm512_permutexvar_ps(i1, ov)));
+            store32(yc + 32, table_values_v(hi, _mm512_permutexvar_ps(i2, fv),
+                                            _mm512_permutexvar_ps(i2, ov)));
           }
         }
       }
