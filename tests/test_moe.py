@@ -151,6 +151,30 @@ def test_from_experts_stacks_per_expert_tensors() -> None:
         assert torch.equal(moe(x), ours(block, cfg)(x))
 
 
+def test_from_linears_runs_given_matmuls_per_expert() -> None:
+    """Matmuls given per expert (how a GGUF's expert blocks run) make the same block as
+    the stacked tensors; a wrong count or shape is refused."""
+    from engine.models.layers import Linear
+
+    block, cfg = hf_block("qwen3_moe", True)
+    gu, dn = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    e = cfg.num_experts
+    moe = MoE.from_linears(cfg, block.gate.weight.detach(),
+                           [Linear(gu[x], pack=False) for x in range(e)],
+                           [Linear(dn[x], pack=False) for x in range(e)])
+    x = tokens(7)
+    with torch.no_grad():
+        assert torch.equal(moe(x), ours(block, cfg)(x))
+    with pytest.raises(ValueError, match="experts"):
+        MoE.from_linears(cfg, block.gate.weight.detach(),
+                         [Linear(gu[x], pack=False) for x in range(e - 1)],
+                         [Linear(dn[x], pack=False) for x in range(e - 1)])
+    with pytest.raises(ValueError, match="want"):
+        MoE.from_linears(cfg, block.gate.weight.detach(),
+                         [Linear(dn[x], pack=False) for x in range(e)],
+                         [Linear(gu[x], pack=False) for x in range(e)])
+
+
 def test_shapes_are_checked() -> None:
     block, cfg = hf_block("qwen3_moe", True)
     with pytest.raises(ValueError, match="gate_up"):
