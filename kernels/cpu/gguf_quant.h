@@ -559,14 +559,20 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
   for (int m = 0; m < M; ++m) acc[m] = offv[m] = _mm512_setzero_ps();
   if (t == QType::Q4_K || t == QType::Q5_K) {
     const bool five = t == QType::Q5_K;
-    // i16 lane i of chunk c's scale vector: sub-block 2c (lanes 0-15) or 2c + 1
-    const __m512i pick = _mm512_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    // chunk c's scale vector from the 8 scales as words in every 128-bit lane (an in-lane
+    // byte shuffle, cheaper than a word permute across lanes): sub-block 2c's word in
+    // i16 lanes 0-15, 2c + 1's in lanes 16-31
+    __m512i pick[4];
+    for (int c = 0; c < 4; ++c) {
+      alignas(64) int8_t ctl[64];
+      for (int i = 0; i < 64; ++i) ctl[i] = int8_t(2 * (2 * c + (i >= 32)) + (i & 1));
+      pick[c] = _mm512_load_si512(ctl);
+    }
     for (int64_t b = 0; b < nb; ++b, w += five ? 176 : 144) {
       const float d = half_at(w), dmin = half_at(w + 2);
       uint64_t sc8, mn8;
       k4_scales_all(w + 4, sc8, mn8);
-      const __m512i s16 = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_cvtsi64_si128(int64_t(sc8))));
+      const __m512i s16 = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc8))));
       const __m512 mins = _mm512_zextps256_ps512(k4_times(dmin, mn8));
       const uint8_t* qs = w + (five ? 48 : 16);
       __m512i ia[M][2];
@@ -577,7 +583,7 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
           const __m512i h = _mm512_srli_epi16(halves(w + 16, 1), 2 * c);
           q = _mm512_or_si512(q, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(1)), 4));
         }
-        const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(2 * c)), s16);
+        const __m512i sv = _mm512_shuffle_epi8(s16, pick[c]);
         for (int m = 0; m < M; ++m) {
           const __m512i xv = _mm512_loadu_si512(xq.row(m) + b * 256 + 64 * c);
           ia[m][c & 1] = _mm512_dpwssd_epi32(ia[m][c & 1], _mm512_maddubs_epi16(q, xv), sv);
@@ -592,13 +598,20 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
       }
     }
   } else {  // Q6_K
-    // i16 lane i of a 64-value vector: scale 4 p + i / 8 of the half (p: which pair of quarters)
-    const __m512i pick = _mm512_set_epi16(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2,
-                                          1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    // i16 lane i of a 64-value vector: scale 4 p + i / 8 of the half (p: which pair of
+    // quarters), i.e. 128-bit lane k takes word 4 p + k of the half's 8 scales, which every
+    // lane holds (an in-lane byte shuffle)
+    __m512i pick[2];
+    for (int p = 0; p < 2; ++p) {
+      alignas(64) int8_t ctl[64];
+      for (int i = 0; i < 64; ++i) ctl[i] = int8_t(2 * (4 * p + i / 16) + (i & 1));
+      pick[p] = _mm512_load_si512(ctl);
+    }
     for (int64_t b = 0; b < nb; ++b, w += 210) {
       const float d = half_at(w + 208);
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
-      const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
+      const __m512i s16[2] = {_mm512_broadcast_i32x4(_mm_cvtepi8_epi16(sc)),
+                              _mm512_broadcast_i32x4(_mm_cvtepi8_epi16(_mm_srli_si128(sc, 8)))};
       const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(d), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
       __m512i ia[M][2];
       for (int m = 0; m < M; ++m) ia[m][0] = ia[m][1] = _mm512_setzero_si512();
@@ -610,8 +623,8 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
         const __m512i q01 = _mm512_or_si512(bytes_low(lq), _mm512_and_si512(_mm512_slli_epi16(h01, 4), top));
         const __m512i q23 = _mm512_or_si512(bytes_low(_mm512_srli_epi16(lq, 4)),
                                             _mm512_and_si512(_mm512_slli_epi16(h23, 4), top));
-        const __m512i s01 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(8 * h)), s16);
-        const __m512i s23 = _mm512_permutexvar_epi16(_mm512_add_epi16(pick, _mm512_set1_epi16(8 * h + 4)), s16);
+        const __m512i s01 = _mm512_shuffle_epi8(s16[h], pick[0]);
+        const __m512i s23 = _mm512_shuffle_epi8(s16[h], pick[1]);
         for (int m = 0; m < M; ++m) {
           const int8_t* x = xq.row(m) + b * 256 + 128 * h;
           ia[m][0] = _mm512_dpwssd_epi32(ia[m][0], _mm512_maddubs_epi16(q01, _mm512_loadu_si512(x)), s01);
