@@ -513,6 +513,30 @@ inline __m512i halves(const uint8_t* p, int bits) {
   return _mm512_mask_srli_epi16(v, 0xFFFF0000u, v, bits);
 }
 
+// vpshufb controls that spread a block's sub-block scales (words, the same 8 in every
+// 128-bit lane) over a 64-value chunk's 16-bit lanes, made once. k4[c]: Q4_K/Q5_K chunk c,
+// sub-block 2c's scale in lanes 0-15 and 2c + 1's in lanes 16-31. k6[p]: a Q6_K half's
+// quarter pair p, 128-bit lane k taking scale 4 p + k (16 values each).
+struct ScalePicks {
+  __m512i k4[4], k6[2];
+  ScalePicks() {
+    alignas(64) int8_t ctl[64];
+    for (int c = 0; c < 4; ++c) {
+      for (int i = 0; i < 64; ++i) ctl[i] = int8_t(2 * (2 * c + (i >= 32)) + (i & 1));
+      k4[c] = _mm512_load_si512(ctl);
+    }
+    for (int p = 0; p < 2; ++p) {
+      for (int i = 0; i < 64; ++i) ctl[i] = int8_t(2 * (4 * p + i / 16) + (i & 1));
+      k6[p] = _mm512_load_si512(ctl);
+    }
+  }
+};
+
+inline const ScalePicks& scale_picks() {
+  static const ScalePicks picks;
+  return picks;
+}
+
 // qdot_row_q8 for Q4_0/Q4_1 against x quantized per 64 values: two blocks (64 values)
 // a step, their nibbles spread into one vector of 64 codes in value order, `vpdpbusd`
 // with x's bytes to 32-bit sums, lanes 0-7 the first block's and 8-15 the second's, scaled by d times dx in fp32; the offsets (+m, or -8 d) times dx sum(x_q) of
@@ -560,14 +584,8 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
   if (t == QType::Q4_K || t == QType::Q5_K) {
     const bool five = t == QType::Q5_K;
     // chunk c's scale vector from the 8 scales as words in every 128-bit lane (an in-lane
-    // byte shuffle, cheaper than a word permute across lanes): sub-block 2c's word in
-    // i16 lanes 0-15, 2c + 1's in lanes 16-31
-    __m512i pick[4];
-    for (int c = 0; c < 4; ++c) {
-      alignas(64) int8_t ctl[64];
-      for (int i = 0; i < 64; ++i) ctl[i] = int8_t(2 * (2 * c + (i >= 32)) + (i & 1));
-      pick[c] = _mm512_load_si512(ctl);
-    }
+    // byte shuffle, cheaper than a word permute across lanes): ScalePicks::k4
+    const __m512i* pick = scale_picks().k4;
     for (int64_t b = 0; b < nb; ++b, w += five ? 176 : 144) {
       const float d = half_at(w), dmin = half_at(w + 2);
       uint64_t sc8, mn8;
@@ -599,14 +617,8 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
     }
   } else {  // Q6_K
     // i16 lane i of a 64-value vector: scale 4 p + i / 8 of the half (p: which pair of
-    // quarters), i.e. 128-bit lane k takes word 4 p + k of the half's 8 scales, which every
-    // lane holds (an in-lane byte shuffle)
-    __m512i pick[2];
-    for (int p = 0; p < 2; ++p) {
-      alignas(64) int8_t ctl[64];
-      for (int i = 0; i < 64; ++i) ctl[i] = int8_t(2 * (4 * p + i / 16) + (i & 1));
-      pick[p] = _mm512_load_si512(ctl);
-    }
+    // quarters), picked from the half's 8 scales in every 128-bit lane: ScalePicks::k6
+    const __m512i* pick = scale_picks().k6;
     for (int64_t b = 0; b < nb; ++b, w += 210) {
       const float d = half_at(w + 208);
       const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 192));
@@ -823,20 +835,17 @@ inline bool qreads_bf16(QType t) {
 // bf16 values of 32 codes (16-bit lanes, each < 16) of a group whose value for code i is
 // f i - o (Q4_1: f i + m, passed as o = -m): a 16-entry table computed in fp32 the way the
 // `gguf` package computes each value (the product, then the offset), rounded once, and
-// looked up (vpermw) for all 32 codes: one product a table, not one a value.
-inline __m512i table_values(__m512i codes, float f, float o) {
-  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 v = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(f), iota), _mm512_set1_ps(o));
-  const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
-  return _mm512_permutexvar_epi16(codes, table);
-}
-
-// table_values with f and o given as vectors of 16 equal lanes.
+// looked up (vpermw) for all 32 codes: one product a table, not one a value. f and o as
+// vectors of 16 equal lanes here; table_values takes them as floats.
 inline __m512i table_values_v(__m512i codes, __m512 f, __m512 o) {
   const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i table = _mm512_castsi256_si512(
       (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(_mm512_mul_ps(f, iota), o)));
   return _mm512_permutexvar_epi16(codes, table);
+}
+
+inline __m512i table_values(__m512i codes, float f, float o) {
+  return table_values_v(codes, _mm512_set1_ps(f), _mm512_set1_ps(o));
 }
 
 // As table_values for codes < 32 (Q5_K): two 16-lane halves of the table.
