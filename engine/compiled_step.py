@@ -93,11 +93,12 @@ class CompiledDecodeStep:
         self.k_caches = [k for k, _ in kv_caches]
         self.v_caches = [v for _, v in kv_caches]
         self.steps = 0  # decode steps run here (tests check which path ran)
-        # GGUF: past the rows where a type's small-batch kernel leads (GGUFLinear.small_rows),
-        # the eager path's tiled kernel is the faster one
+        # GGUF: past the rows where a type's small-batch kernel leads (GGUFLinear.small_limit),
+        # the eager path's integer GEMM or tiled kernel is the faster one
         if gguf:
-            self.max_rows = min([self.max_rows] + [GGUFLinear.small_rows[t] for t in self.qtypes
-                                                   if t])
+            self.max_rows = min([self.max_rows] + [m.small_limit(p) for m in matmuls
+                                                   if isinstance(m, GGUFLinear)
+                                                   for p in m.parts])
 
     def fits(self, num_tokens: int) -> bool:
         """Whether a step of this many query tokens runs here (its sequences may have

@@ -1,7 +1,8 @@
 """The compiled kernels for GGUF block-quantized weights (kernels/cpu/gguf_quant.h)
 against the `gguf` package's own dequantizer: x W^T for 1-8 rows (gguf_linear_small) and
-for any number of bf16 rows (gguf_linear_tiled) equals x times the dequantized W in fp32
-to rounding (of bf16 x; of its int8 form where the int8 path runs: AVX2, AVX-512 VNNI), for
+for any number of bf16 rows (gguf_linear_tiled; with int8_x, the integer GEMM for the K
+types) equals x times the dequantized W in fp32 to rounding (of bf16 x; of its int8 form
+where the int8 path runs: AVX2, AVX-512 VNNI), for
 every block type, on random blocks (any bytes with finite scales are valid blocks) and odd
 output sizes; dequantized rows equal the package's bit for bit."""
 
@@ -129,6 +130,95 @@ def _tiled_against_dequantized(qtype: int) -> None:
     want = x.float() @ ref.T
     torch.testing.assert_close(wide[:, 5 : 5 + out].float(), want,
                                atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+K_TYPES = (12, 13, 14)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: NAMES[t])
+def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
+    """The integer GEMM (gguf_linear_tiled with int8_x, kernels/cpu/gguf_gemm.h): x
+    quantized per 256 values as the small kernel quantizes it, times the dequantized W in
+    fp32, to bf16 rounding, for the row blocks of 6 and every tail (1-5 rows, 7, 13, 64,
+    70, 300), a zero row, a weight whose 37 rows leave a panel with one live column vector
+    and an empty one, rows of 3 K blocks; bias added; a column slice as output."""
+    if not cpu_ops.gguf_gemm_int8(qtype, 768):
+        pytest.skip("the integer GEMM needs AVX-512 VNNI and BF16, AMX off")
+    cols, out = 768, 37
+    blocks = random_blocks(qtype, out, cols, seed=400 + qtype)
+    w = torch.from_numpy(blocks)
+    ref = dequantized(blocks, qtype, cols)
+    bias = torch.randn(out).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(qtype)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 70, 300):
+        x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+        x[rows // 2] = 0.0
+        want = x_as_int8(x, 256) @ ref.T + bias.float()
+        got = cpu_ops.gguf_linear_tiled(x, w, qtype, bias, int8_x=True)
+        torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(),
+                                   rtol=1e-2)
+        # what int8 x adds to the exact product stays small
+        exact = x.float() @ ref.T + bias.float()
+        assert (got.float() - exact).abs().max() < 3e-2 * exact.abs().max()
+    x = torch.randn(9, cols, generator=g).to(torch.bfloat16)
+    wide = torch.zeros(9, out + 10, dtype=torch.bfloat16)
+    cpu_ops.gguf_linear_tiled(x, w, qtype, None, out=wide[:, 5 : 5 + out], int8_x=True)
+    assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
+    want = x_as_int8(x, 256) @ ref.T
+    torch.testing.assert_close(wide[:, 5 : 5 + out].float(), want,
+                               atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+
+
+def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> None:
+    """GGUFLinear in bf16 sends a K-type part's batches past small_limit rows (prefill
+    chunks too) to the integer GEMM and fewer to the small kernel; a Q4_0 part (no GEMM)
+    keeps the small kernel to its own limit and the tiled one after; where the GEMM does
+    not run (AMX, other CPUs) small_limit is the small kernel's own. Outputs as the
+    kernels' own."""
+    from engine.gguf_weights import QuantWeight
+    from engine.models.layers import GGUFLinear
+
+    cols = 512
+    parts = [QuantWeight(t, torch.from_numpy(random_blocks(t, n, cols, seed=t)), cols)
+             for t, n in ((12, 40), (14, 24), (2, 8))]
+    lin = GGUFLinear(parts, None, torch.bfloat16)
+    gemm = cpu_ops.gguf_gemm_int8(12, cols)
+    assert [lin.small_limit(p) for p in parts] == ([4, 6, 4] if gemm else [8, 8, 4])
+    if not gemm:
+        pytest.skip("the integer GEMM needs AVX-512 VNNI and BF16, AMX off")
+    calls: list[tuple[str, int, bool]] = []
+    small, tiled = cpu_ops.gguf_linear_small, cpu_ops.gguf_linear_tiled
+
+    def spy_small(x, w, qtype, bias=None, out=None, int8_x=None):
+        calls.append(("small", qtype, bool(int8_x)))
+        return small(x, w, qtype, bias, out=out, int8_x=int8_x)
+
+    def spy_tiled(x, w, qtype, bias=None, out=None, int8_x=False):
+        calls.append(("tiled", qtype, bool(int8_x)))
+        return tiled(x, w, qtype, bias, out=out, int8_x=int8_x)
+
+    monkeypatch.setattr(cpu_ops, "gguf_linear_small", spy_small)
+    monkeypatch.setattr(cpu_ops, "gguf_linear_tiled", spy_tiled)
+    g = torch.Generator().manual_seed(5)
+    routes = {4: [("small", 12, True), ("small", 14, True), ("small", 2, True)],
+              6: [("tiled", 12, True), ("small", 14, True), ("tiled", 2, False)],
+              7: [("tiled", 12, True), ("tiled", 14, True), ("tiled", 2, False)],
+              300: [("tiled", 12, True), ("tiled", 14, True)]}  # Q4_0: the dense path
+    for rows, route in routes.items():
+        calls.clear()
+        x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+        got = lin(x)
+        assert calls == route
+        o = 0
+        for p in parts:
+            want = x_as_int8(x, 256 if p.qtype != 2 else 64).float() @ \
+                dequantized(p.data.numpy(), p.qtype, cols).T
+            if p.qtype == 2 and rows > 4:
+                want = x.float() @ dequantized(p.data.numpy(), p.qtype, cols).T
+            part = got[:, o : o + p.rows].float()
+            torch.testing.assert_close(part, want, atol=2e-2 * want.abs().max().item(),
+                                       rtol=2e-2)
+            o += p.rows
 
 
 def test_gguf_kernels_refuse_what_they_cannot_read() -> None:

@@ -102,7 +102,11 @@ class GGUFLinear:
     Q4_K, others in Q6_K), each a QuantWeight or a plain matrix.
 
     Up to `small_rows[type]` rows (decode) stream each part's blocks once through
-    cpu_ops.gguf_linear_small, which never dequantizes them. Decode batches
+    cpu_ops.gguf_linear_small, which never dequantizes them. Where the small kernel takes
+    x in int8 and the CPU has the integer GEMM for the type (cpu_ops.gguf_gemm_int8: the
+    K types on AVX-512 VNNI without AMX), every batch above `gemm_rows[type]` rows,
+    prefill included, takes it: x in int8 against the 4-6 bit codes as bytes, faster
+    than the bf16 GEMM on the dequantized weight would be. Else decode batches
     of up to `tiled_rows` bf16 rows, where the CPU has AVX512-BF16, take
     cpu_ops.gguf_linear_tiled: a few weight rows at a time dequantized into a
     cache-resident tile that every row of x meets (one dequantization a weight a call).
@@ -116,6 +120,9 @@ class GGUFLinear:
     # by block type (ggml's ids): the K types' small-batch kernel takes x in int8 and
     # stays ahead of the tiled one to 8 rows; Q4_0/Q4_1's (int8 x per 64 values) to 4
     small_rows = {2: 4, 3: 4, 8: 4, 12: 8, 13: 8, 14: 8}
+    # where the integer GEMM runs, the small kernel keeps only the batches it is faster on
+    # (8192 x 2048 on a Zen 4: Q4_K/Q5_K the GEMM from 5 rows, Q6_K from 7)
+    gemm_rows = {12: 4, 13: 4, 14: 6}
     tiled_rows = 96
     tiled_rows_amx = 256
     # the dense path's buffer: each GEMM call of a part re-reads x and hands the threads
@@ -159,6 +166,8 @@ class GGUFLinear:
             dest = out[:, o : o + rows]
             if not isinstance(p, QuantWeight):
                 dest.copy_(F.linear(x, p))
+            elif tiled and n > self.small_limit(p) and self._gemm(p):
+                cpu_ops.gguf_linear_tiled(x, p.data, p.qtype, None, out=dest, int8_x=True)
             elif 0 < n <= self.small_rows[p.qtype]:
                 cpu_ops.gguf_linear_small(x, p.data, p.qtype, None, out=dest,
                                           int8_x=self.int8_x)
@@ -170,6 +179,16 @@ class GGUFLinear:
         if self.bias is not None:
             out += self.bias
         return out
+
+    def _gemm(self, p: Any) -> bool:
+        """Whether bf16 batches past small_limit(p) rows take the integer GEMM."""
+        return self.int8_x and self.dtype == torch.bfloat16 and p.qtype in self.gemm_rows \
+            and cpu_ops.gguf_tiled() \
+            and cpu_ops.gguf_gemm_int8(p.qtype, p.cols)
+
+    def small_limit(self, p: Any) -> int:
+        """The most rows of bf16 x the small-batch kernel takes for QuantWeight part p."""
+        return self.gemm_rows[p.qtype] if self._gemm(p) else self.small_rows[p.qtype]
 
     def _dense(self, x: torch.Tensor, p: Any, dest: torch.Tensor) -> None:
         """dest = x W^T through dequantized tiles of W's rows."""

@@ -15,6 +15,7 @@
 #include "attention.h"
 #include "decode_step.h"
 #include "elementwise.h"
+#include "gguf_gemm.h"
 #include "gguf_quant.h"
 #include "linear.h"
 
@@ -335,10 +336,20 @@ void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
     check(false, "dtype must be float32 or bfloat16");
 }
 
+// Whether gguf_linear_tiled with int8_x multiplies type qtype (rows of `in` values) on
+// the integer GEMM (gguf_gemm.h): AVX-512 VNNI and BF16, K types, and not where AMX runs.
+bool gguf_gemm_int8(int64_t qtype, int64_t in) {
+  check(qtype_known(qtype), "gguf_gemm_int8: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+#if defined(TW_AMX)
+  if (amx_on()) return false;
+#endif
+  return qgemm_int8_reads(QType(qtype), in);
+}
+
 // y = x W^T (+ bias) for bf16 x with any number of rows and a GGUF block-quantized W,
 // through cache-sized dequantized tiles (qlinear_tiled); CPUs with AVX512-BF16 only.
 void gguf_linear_tiled(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool int8_x) {
 #if defined(__AVX512BF16__)
   check(qtype_known(qtype), "gguf_linear_tiled: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
   const QType t = QType(qtype);
@@ -354,11 +365,18 @@ void gguf_linear_tiled(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
   if (bias.has_value())
     check(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == o,
           "gguf_linear_tiled: bias must be bf16 [out]");
+  if (int8_x && gguf_gemm_int8(qtype, in)) {  // the integer GEMM (gguf_gemm.h)
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    qlinear_int8(out.data_ptr<c10::BFloat16>(), out.stride(0), xf.const_data_ptr<float>(), rows, t,
+                 w.const_data_ptr<uint8_t>(), w.size(1), in, o,
+                 bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
+    return;
+  }
   qlinear_tiled(out.data_ptr<c10::BFloat16>(), out.stride(0), x.const_data_ptr<c10::BFloat16>(),
                 x.stride(0), rows, t, w.const_data_ptr<uint8_t>(), w.size(1), in, o,
                 bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
 #else
-  (void)out, (void)x, (void)w, (void)qtype, (void)bias;
+  (void)out, (void)x, (void)w, (void)qtype, (void)bias, (void)int8_x;
   check(false, "gguf_linear_tiled needs a CPU with AVX512-BF16");
 #endif
 }
@@ -688,7 +706,8 @@ TORCH_LIBRARY(tidewire, m) {
   m.def("gguf_dequant(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_dequant);
   m.def("cpu_amx(int allow=-1) -> bool", &tw::cpu_amx);
   m.def("gguf_reads_int8(int qtype, int in_features) -> bool", &tw::gguf_reads_int8);
-  m.def("gguf_linear_tiled(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias) -> ()",
+  m.def("gguf_gemm_int8(int qtype, int in_features) -> bool", &tw::gguf_gemm_int8);
+  m.def("gguf_linear_tiled(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias, bool int8_x) -> ()",
         &tw::gguf_linear_tiled);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
         "bool add) -> ()", &tw::rms_norm);
