@@ -10,7 +10,8 @@ bf16 and int8 weights through cpu_ops.linear_small beside them. Random blocks (t
 speed does not depend on the values).
 
 --tiled: batches of 1-512 rows, each block type through cpu_ops.gguf_linear_small (up to
-8 rows), cpu_ops.gguf_linear_tiled and the dequantized-tiles GEMM (GGUFLinear._dense),
+8 rows), the integer GEMM (gguf_linear_tiled with int8_x, where cpu_ops.gguf_gemm_int8),
+cpu_ops.gguf_linear_tiled and the dequantized-tiles GEMM (GGUFLinear._dense),
 against the packed bf16 GEMM (engine Linear) of a matrix of the same shape: ms per call,
 and each quantized path's ratio to bf16 (speed: above 1 is faster). The thresholds in
 engine/models/layers.py GGUFLinear come from this table.
@@ -72,6 +73,9 @@ def tiled_table(out_f: int, in_f: int, repeat: int) -> dict:
             if rows <= 8:
                 line[f"{name} small"] = ms(
                     lambda x=x, w=w, t=qtype: cpu_ops.gguf_linear_small(x, w.data, t))
+            if cpu_ops.gguf_gemm_int8(qtype, in_f):
+                line[f"{name} int8"] = ms(lambda x=x, w=w, t=qtype: cpu_ops.gguf_linear_tiled(
+                    x, w.data, t, int8_x=True))
             if rows <= 256:
                 line[f"{name} tiled"] = ms(
                     lambda x=x, w=w, t=qtype: cpu_ops.gguf_linear_tiled(x, w.data, t))

@@ -231,8 +231,9 @@ def gguf_tiled() -> bool:
 
 def gguf_gemm_int8(qtype: int, in_features: int) -> bool:
     """Whether gguf_linear_tiled(..., int8_x=True) multiplies weights of type `qtype`
-    (rows of `in_features` values) on the integer GEMM here: Q4_K, Q5_K and Q6_K on a CPU
-    with AVX-512 VNNI and BF16, where AMX is not in use (its bf16 tiles lead there).
+    (rows of `in_features` values, a multiple of 256) on the integer GEMM here: every
+    type in GGUF_BLOCKS, on a CPU with AVX-512 VNNI and BF16, where AMX is not in use (its
+    bf16 tiles lead there).
     Asked for every GGUF matmul: cached by (type, width, AMX on)."""
     key = f"gemm_int8:{qtype}:{in_features}:{amx()}"
     if key not in _state:
@@ -265,7 +266,7 @@ def gguf_linear_tiled(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     vdpbf16ps. int8_x, where gguf_gemm_int8(qtype, in): x quantized to int8 as
     gguf_linear_small quantizes it, and the codes multiplied as bytes (vpdpbusd) with no
     bf16 copy of any weight (kernels/cpu/gguf_gemm.h): on a Zen 4, 1.1-1.4x the packed bf16
-    GEMM of the same shape for Q4_K from 4 to 512 rows."""
+    GEMM of the same shape from 64 to 512 rows (Q6_K 1.0-1.1x)."""
     if out is None:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     torch.ops.tidewire.gguf_linear_tiled(out, x, weight, qtype, bias, bool(int8_x))

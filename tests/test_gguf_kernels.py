@@ -132,13 +132,11 @@ def _tiled_against_dequantized(qtype: int) -> None:
                                atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
 
-K_TYPES = (12, 13, 14)
-
-
-@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("qtype", sorted(NAMES), ids=lambda t: NAMES[t])
 def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
     """The integer GEMM (gguf_linear_tiled with int8_x, kernels/cpu/gguf_gemm.h): x
-    quantized per 256 values as the small kernel quantizes it, times the dequantized W in
+    quantized per 256 values as the small kernel quantizes it for the K types (the
+    32-value types too, there: their small kernel takes 64), times the dequantized W in
     fp32, to bf16 rounding, for the row blocks of 6 and every tail (1-5 rows, 7, 13, 64,
     70, 300), a zero row, a weight whose 37 rows leave a panel with one live column vector
     and an empty one, rows of 3 K blocks; bias added; a column slice as output."""
@@ -170,11 +168,10 @@ def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
 
 
 def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> None:
-    """GGUFLinear in bf16 sends a K-type part's batches past small_limit rows (prefill
-    chunks too) to the integer GEMM and fewer to the small kernel; a Q4_0 part (no GEMM)
-    keeps the small kernel to its own limit and the tiled one after; where the GEMM does
-    not run (AMX, other CPUs) small_limit is the small kernel's own. Outputs as the
-    kernels' own."""
+    """GGUFLinear in bf16 sends a part's batches past small_limit rows (prefill chunks
+    too) to the integer GEMM and fewer to the small kernel (Q6_K's to 6 rows, Q4_K's and
+    Q4_0's to 4); where the GEMM does not run (AMX, other CPUs) small_limit is the small
+    kernel's own. Outputs as the kernels' own."""
     from engine.gguf_weights import QuantWeight
     from engine.models.layers import GGUFLinear
 
@@ -201,9 +198,9 @@ def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> No
     monkeypatch.setattr(cpu_ops, "gguf_linear_tiled", spy_tiled)
     g = torch.Generator().manual_seed(5)
     routes = {4: [("small", 12, True), ("small", 14, True), ("small", 2, True)],
-              6: [("tiled", 12, True), ("small", 14, True), ("tiled", 2, False)],
-              7: [("tiled", 12, True), ("tiled", 14, True), ("tiled", 2, False)],
-              300: [("tiled", 12, True), ("tiled", 14, True)]}  # Q4_0: the dense path
+              6: [("tiled", 12, True), ("small", 14, True), ("tiled", 2, True)],
+              7: [("tiled", 12, True), ("tiled", 14, True), ("tiled", 2, True)],
+              300: [("tiled", 12, True), ("tiled", 14, True), ("tiled", 2, True)]}
     for rows, route in routes.items():
         calls.clear()
         x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
@@ -211,10 +208,8 @@ def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> No
         assert calls == route
         o = 0
         for p in parts:
-            want = x_as_int8(x, 256 if p.qtype != 2 else 64).float() @ \
-                dequantized(p.data.numpy(), p.qtype, cols).T
-            if p.qtype == 2 and rows > 4:
-                want = x.float() @ dequantized(p.data.numpy(), p.qtype, cols).T
+            group = 64 if p.qtype == 2 and rows <= 4 else 256  # (Q4_0's small kernel: 64)
+            want = x_as_int8(x, group) @ dequantized(p.data.numpy(), p.qtype, cols).T
             part = got[:, o : o + p.rows].float()
             torch.testing.assert_close(part, want, atol=2e-2 * want.abs().max().item(),
                                        rtol=2e-2)

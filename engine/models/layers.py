@@ -103,8 +103,8 @@ class GGUFLinear:
 
     Up to `small_rows[type]` rows (decode) stream each part's blocks once through
     cpu_ops.gguf_linear_small, which never dequantizes them. Where the small kernel takes
-    x in int8 and the CPU has the integer GEMM for the type (cpu_ops.gguf_gemm_int8: the
-    K types on AVX-512 VNNI without AMX), every batch above `gemm_rows[type]` rows,
+    x in int8 and the CPU has the integer GEMM (cpu_ops.gguf_gemm_int8: AVX-512 VNNI and
+    BF16 without AMX), every batch above `gemm_rows[type]` rows,
     prefill included, takes it: x in int8 against the 4-6 bit codes as bytes, faster
     than the bf16 GEMM on the dequantized weight would be. Else decode batches
     of up to `tiled_rows` bf16 rows, where the CPU has AVX512-BF16, take
@@ -121,8 +121,10 @@ class GGUFLinear:
     # stays ahead of the tiled one to 8 rows; Q4_0/Q4_1's (int8 x per 64 values) to 4
     small_rows = {2: 4, 3: 4, 8: 4, 12: 8, 13: 8, 14: 8}
     # where the integer GEMM runs, the small kernel keeps only the batches it is faster on
-    # (8192 x 2048 on a Zen 4: Q4_K/Q5_K the GEMM from 5 rows, Q6_K from 7)
-    gemm_rows = {12: 4, 13: 4, 14: 6}
+    # (8192 x 2048 on a Zen 4: Q4_K/Q5_K the GEMM from 5 rows, Q6_K from 7; Q8_0 from 4,
+    # Q4_0/Q4_1 from 2, but they keep their 4 so that the compiled step, which stops
+    # where the small kernel does, keeps its decode batches)
+    gemm_rows = {2: 4, 3: 4, 8: 4, 12: 4, 13: 4, 14: 6}
     tiled_rows = 96
     tiled_rows_amx = 256
     # the dense path's buffer: each GEMM call of a part re-reads x and hands the threads

@@ -1,27 +1,32 @@
-// x W^T for batches of rows (9 to hundreds) with W in a GGUF K type (Q4_K, Q5_K, Q6_K) and
-// x quantized to int8, on AVX-512 VNNI: a GEMM on the integer units, which multiply bytes
-// at twice the rate vdpbf16ps multiplies bf16 pairs (on a Zen 4 core: vpmaddubsw and
-// vpdpwssd issue together, 64 multiply-adds a cycle, against 32 for vdpbf16ps).
+// x W^T for batches of rows (5 to hundreds) with W in a GGUF block type (Q4_K, Q5_K,
+// Q6_K, Q8_0, Q4_0, Q4_1) and x quantized to int8, on AVX-512 VNNI: a GEMM on the integer
+// units. vpdpbusd multiplies 64 byte pairs an instruction where vdpbf16ps multiplies 32
+// bf16 pairs, at the same rate (a Zen 4 core: 230 against 117 G multiply-adds a second,
+// measured with independent accumulators in registers).
 //
 // The bf16 tiled kernel (gguf_quant.h qlinear_tiled) turns every weight into bf16 once a
-// call and then multiplies at bf16's rate; here a weight's 4-6 bit code is only widened
-// to a byte, and the multiply runs at the integer rate. Per call, 32 weight rows (a
-// panel, two vectors of 16 output columns) one 256-value K block at a time are laid out
-// for the products: the codes as [quad of K][column][4] bytes (vpmaddubsw's unsigned
-// operand; a 16 x 16 transpose of 32-bit groups), each sub-block's scale as a pair of
-// words a column (vpdpwssd's second operand), so that for a K quad and a row of x (its
-// four int8 values broadcast)
-//     I[col] += sc[col] * (c0 x0 + c1 x1) + sc[col] * (c2 x2 + c3 x3)
-// in 32-bit lanes, 16 columns a vector: the sub-block scales cost nothing per value, and
-// no lane ever needs a horizontal sum. Every row of x meets the laid-out block while it
-// is in L1. Per block and row, in fp32:
-//     y += dx * (d I - e J),   J = sum over sub-blocks of t[col, s] X[row, s]
-// where X is the row's sum of x_q over the sub-block and (t, e) the block's offsets:
-// Q4_K/Q5_K w = d sc q - dmin m: t = m, e = dmin; Q6_K w = d sc (q - 32): t = sc, e = 32 d.
-// J, an integer too, takes a vpdpwssd per two sub-blocks (X as word pairs, broadcast).
+// call and multiplies at bf16's rate; here a weight's 4-8 bit code is only widened to a
+// byte. Per call, 32 weight rows (a panel, two vectors of 16 output columns) are laid out
+// one 256-value K block at a time: the codes as [K quad][column][4] bytes (vpdpbusd's
+// unsigned operand; the stored nibbles transposed 16 x 16 in 32-bit groups, then
+// split), the factors a column a lane. For a K quad and a row of x, its four int8 values
+// broadcast from memory by the instruction itself:
+//     I[col] += c0 x0 + c1 x1 + c2 x2 + c3 x3
+// in 32-bit lanes, 16 columns a vector, no horizontal sums. Each sub-block's I then
+// takes its scale: K types in integers (vpmulld by the 6-8 bit scale into the block's
+// sum), the 32-value types in fp32 (their fp16 d). Every row of x meets the laid-out
+// block while it is in L1. Per block and row, in fp32:
+//     K types:  y += dx * (d S - e J),   S = sum over sub-blocks of sc I,
+//               J = sum over sub-blocks of t[col, s] X[row, s]
+// where X is the row's sum of x_q over the sub-block and (t, e) the offsets:
+// Q4_K/Q5_K w = d sc q - dmin m: t = m, e = dmin; Q6_K w = d sc (q - 32): t = sc, e = 32 d
+// (J in integers, a vpdpwssd per two sub-blocks: X as word pairs, broadcast).
+//     Q8_0, Q4_0, Q4_1 (w = d q + o):  y += dx * sum over blocks of (d I + o X)
+// with Q8_0's signed codes read as unsigned (q + 128, o = -128 d), Q4_0's o = -8 d,
+// Q4_1's o = m.
 //
-// x is quantized as the small-batch kernel quantizes it (XQ: per 256 values of a row,
-// dx = max|x| / 127), so the int8 paths agree with each other.
+// x is quantized as the small-batch kernel quantizes it for the K types (XQ: per 256
+// values of a row, dx = max|x| / 127).
 #pragma once
 
 #include <memory>
@@ -34,7 +39,17 @@ namespace tw {
 
 // Whether qlinear_int8 multiplies weights of type t with rows of `in` values.
 inline bool qgemm_int8_reads(QType t, int64_t in) {
-  return (t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K) && in % 256 == 0;
+  return qtype_known(int64_t(t)) && in % 256 == 0;
+}
+
+// How a type's block meets the products: K (Q4_K, Q5_K: 8 sub-blocks of 32 with integer
+// scales and offsets), K6 (Q6_K: 16 of 16), B32 (Q8_0, Q4_0, Q4_1: 8 blocks of 32 in 256
+// values, each with fp16 factors: w = d q + o, o = -128 d, -8 d or m).
+enum class Kind { K, K6, B32 };
+
+inline Kind kind_of(QType t) {
+  return t == QType::Q6_K ? Kind::K6
+         : t == QType::Q4_K || t == QType::Q5_K ? Kind::K : Kind::B32;
 }
 
 // One K block of a 32-row panel laid out for the products (v: which 16 columns).
@@ -43,6 +58,7 @@ struct alignas(64) PanelBlock {
   __m512i scales[16][2];  // sub-block s: each column's scale
   __m512i offs[8][2];     // sub-block pair p: each column's (t[2p], t[2p + 1]) as words
   __m512 d[2], e[2];      // each column's d and e (zero past the matrix)
+  __m512 bd[8][2], bo[8][2];  // B32: block s's d and offset factor o a column
 };
 
 // 16 vectors of 16 32-bit lanes transposed in place: r[i] lane j <- r[j] lane i.
@@ -90,18 +106,72 @@ inline __m512 half_lanes(__m512i v, bool hi) {
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(hi ? _mm512_srli_epi32(v, 16) : v));
 }
 
+// lay_out_block for the 32-value types: 8 of their blocks make a 256-value block b.
+inline void lay_out_b32(QType t, const uint8_t* w, int64_t row_bytes, int n, int64_t b,
+                        PanelBlock& pb, int v, __mmask16 live, __m512i rows) {
+  const int64_t bytes = t == QType::Q8_0 ? 34 : t == QType::Q4_0 ? 18 : 20;
+  const uint8_t* w0 = w + b * 8 * bytes;
+  for (int s = 0; s < 8; ++s) {  // fp16 d (and Q4_1's m) at the start of each block
+    const __m512i dm = gather_rows(w0 + s * bytes, rows, live);
+    const __m512 d = half_lanes(dm, false);
+    pb.bd[s][v] = d;
+    pb.bo[s][v] = t == QType::Q4_1 ? half_lanes(dm, true)
+                  : _mm512_mul_ps(d, _mm512_set1_ps(t == QType::Q8_0 ? -128.0f : -8.0f));
+  }
+  if (t == QType::Q8_0) {  // signed codes as unsigned (+128: o = -128 d), 64 a vector
+    __m512i codes[4][16];
+    const __m512i flip = _mm512_set1_epi8(char(0x80));
+    for (int j = 0; j < 16; ++j)
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* p = w0 + j * row_bytes + 2 * c * bytes + 2;
+        codes[c][j] = j < n ? _mm512_xor_si512(_mm512_inserti64x4(
+                                  _mm512_castsi256_si512(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(p))),
+                                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + bytes)), 1),
+                                  flip)
+                            : _mm512_setzero_si512();
+      }
+    for (int c = 0; c < 4; ++c) {
+      transpose16(codes[c]);
+      for (int i = 0; i < 16; ++i) pb.codes[16 * c + i][v] = codes[c][i];
+    }
+    return;
+  }
+  // Q4_0/Q4_1: each block's 16 bytes of nibbles (value i low in byte i, 16 + i high), 4
+  // blocks a vector, transposed as stored: word d of vector z holds block B = 4 z + d / 4's
+  // quads 8 B + d % 4 (low nibbles) and 8 B + 4 + d % 4 (high)
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int z = 0; z < 2; ++z) {
+    __m512i q[16];
+    for (int j = 0; j < 16; ++j) {
+      q[j] = _mm512_setzero_si512();
+      if (j >= n) continue;
+      const uint8_t* p = w0 + j * row_bytes + 4 * z * bytes + (bytes - 16);
+      for (int k = 0; k < 4; ++k)
+        q[j] = _mm512_inserti32x4(q[j], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * bytes)), k);
+    }
+    transpose16(q);
+    for (int d = 0; d < 16; ++d) {
+      const int blk = 4 * z + d / 4;
+      pb.codes[8 * blk + d % 4][v] = _mm512_and_si512(q[d], low);
+      pb.codes[8 * blk + 4 + d % 4][v] = _mm512_and_si512(_mm512_srli_epi32(q[d], 4), low);
+    }
+  }
+}
+
 // Block b of columns [0, n) (n <= 16) of the rows from w (row_bytes apart) into half v of
 // pb. The scales of the 16 columns are read side by side (gathered 32-bit words, a
 // column a lane); the codes a column at a time, then transposed.
 inline void lay_out_block(QType t, const uint8_t* w, int64_t row_bytes, int n, int64_t b,
                           PanelBlock& pb, int v) {
-  const bool q6 = t == QType::Q6_K, five = t == QType::Q5_K;
-  const int64_t bytes = q6 ? 210 : five ? 176 : 144;
-  const uint8_t* w0 = w + b * bytes;
   const __mmask16 live = __mmask16((1u << n) - 1);
   const __m512i rows = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(int32_t(row_bytes)));
+  if (kind_of(t) == Kind::B32) return lay_out_b32(t, w, row_bytes, n, b, pb, v, live, rows);
+  const bool q6 = t == QType::Q6_K, five = t == QType::Q5_K;
+  const int64_t bytes = q6 ? 210 : five ? 176 : 144;
+  const uint8_t* w0 = w + b * bytes;
   if (q6) {
     // 16 int8 scales at 192, fp16 d at 208 (read as the high half of the word at 206, so
     // the last block's gather stays inside it)
@@ -209,11 +279,13 @@ inline void lay_out_block(QType t, const uint8_t* w, int64_t row_bytes, int n, i
 struct XQPairs {
   XQ xq;
   std::vector<int32_t> pairs;
+  std::vector<float> sums;  // the same sums as fp32, [rows, in / sub]
   int64_t per_block = 0;  // pairs a 256-value block
   void fill(const float* xf, int rows, int64_t in, int sub) {
     xq.fill(xf, rows, in, 256);
     per_block = 256 / (2 * sub);
     pairs.resize(rows * (in / (2 * sub)));
+    sums.resize(rows * (in / sub));
     for (int m = 0; m < rows; ++m) {
       const int8_t* q = xq.row(m);
       for (int64_t p = 0; p < in / (2 * sub); ++p) {
@@ -221,12 +293,13 @@ struct XQPairs {
         for (int h = 0; h < 2; ++h)
           for (int i = 0; i < sub; ++i) s[h] += q[(2 * p + h) * sub + i];
         pairs[m * (in / (2 * sub)) + p] = word_pair(s[0], s[1]);
+        sums[m * (in / sub) + 2 * p] = float(s[0]);
+        sums[m * (in / sub) + 2 * p + 1] = float(s[1]);
       }
     }
   }
 };
 
-// R rows of x (m0 ..) against one laid-out block b: acc [R][32] += their share of y.
 // acc += the byte products of w (unsigned) with the four bytes at x (signed) broadcast,
 // in 32-bit lanes: vpdpbusd with its broadcast memory operand (written out: compilers
 // load the broadcast into a register first when two products share it, one more vector
@@ -235,15 +308,22 @@ inline void dpbusd_bcast(__m512i& acc, __m512i w, const int32_t* x) {
   asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*x));
 }
 
-template <int R, bool Q6>
+// R rows of x (m0 ..) against one laid-out block b: acc [R][32] += their share of y.
+template <int R, Kind KD>
 inline void block_rows(const PanelBlock& pb, const XQPairs& x, int m0, int64_t b, float* acc) {
-  constexpr int kQuads = Q6 ? 4 : 8;  // K quads a sub-block
+  constexpr int kQuads = KD == Kind::K6 ? 4 : 8;  // K quads a sub-block
   const int64_t in = x.xq.in, nb = in / 256;
   const int32_t* xr[R];
   for (int r = 0; r < R; ++r)
     xr[r] = reinterpret_cast<const int32_t*>(x.xq.row(m0 + r) + b * 256);
-  __m512i ig[R][2];  // the block's sum over sub-blocks of sc times their integer sums
-  for (int r = 0; r < R; ++r) ig[r][0] = ig[r][1] = _mm512_setzero_si512();
+  // K, K6: the block's sum over sub-blocks of sc times their integer sums; B32: the fp32
+  // sum of d I + o X over its 8 blocks
+  __m512i ig[R][2];
+  __m512 f[R][2];
+  for (int r = 0; r < R; ++r) {
+    ig[r][0] = ig[r][1] = _mm512_setzero_si512();
+    f[r][0] = f[r][1] = _mm512_setzero_ps();
+  }
   for (int s = 0; s < 64 / kQuads; ++s) {
     __m512i ia[R][2];
     for (int r = 0; r < R; ++r) ia[r][0] = ia[r][1] = _mm512_setzero_si512();
@@ -257,12 +337,22 @@ inline void block_rows(const PanelBlock& pb, const XQPairs& x, int m0, int64_t b
         dpbusd_bcast(ia[r][1], w1, xr[r] + k);
       }
     }
-    // the sub-block's scale in integers (vpmulld: on a Zen 4 faster here than a
-    // conversion and an fp32 multiply-add a sub-block)
-    const __m512i c0 = pb.scales[s][0], c1 = pb.scales[s][1];
-    for (int r = 0; r < R; ++r) {
-      ig[r][0] = _mm512_add_epi32(ig[r][0], _mm512_mullo_epi32(ia[r][0], c0));
-      ig[r][1] = _mm512_add_epi32(ig[r][1], _mm512_mullo_epi32(ia[r][1], c1));
+    if constexpr (KD == Kind::B32) {
+      const float* xs = x.sums.data() + (m0) * (in / 32) + b * 8 + s;
+      for (int r = 0; r < R; ++r) {
+        const __m512 xsum = _mm512_set1_ps(xs[r * (in / 32)]);
+        for (int v = 0; v < 2; ++v)
+          f[r][v] = _mm512_fmadd_ps(pb.bo[s][v], xsum,
+                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][v]), pb.bd[s][v], f[r][v]));
+      }
+    } else {
+      // the sub-block's scale in integers (vpmulld: on a Zen 4 faster here than a
+      // conversion and an fp32 multiply-add a sub-block)
+      const __m512i c0 = pb.scales[s][0], c1 = pb.scales[s][1];
+      for (int r = 0; r < R; ++r) {
+        ig[r][0] = _mm512_add_epi32(ig[r][0], _mm512_mullo_epi32(ia[r][0], c0));
+        ig[r][1] = _mm512_add_epi32(ig[r][1], _mm512_mullo_epi32(ia[r][1], c1));
+      }
     }
   }
   const int pairs = int(x.per_block);
@@ -270,10 +360,14 @@ inline void block_rows(const PanelBlock& pb, const XQPairs& x, int m0, int64_t b
     const int32_t* xp = x.pairs.data() + (m0 + r) * (nb * pairs) + b * pairs;
     const __m512 dx = _mm512_set1_ps(x.xq.dx[(m0 + r) * nb + b]);
     for (int v = 0; v < 2; ++v) {
-      __m512i j = _mm512_setzero_si512();
-      for (int p = 0; p < pairs; ++p) j = _mm512_dpwssd_epi32(j, pb.offs[p][v], _mm512_set1_epi32(xp[p]));
-      const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(ig[r][v]), pb.d[v],
-                                       _mm512_mul_ps(_mm512_cvtepi32_ps(j), pb.e[v]));
+      __m512 t = f[r][v];
+      if constexpr (KD != Kind::B32) {
+        __m512i j = _mm512_setzero_si512();
+        for (int p = 0; p < pairs; ++p)
+          j = _mm512_dpwssd_epi32(j, pb.offs[p][v], _mm512_set1_epi32(xp[p]));
+        t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(ig[r][v]), pb.d[v],
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(j), pb.e[v]));
+      }
       float* a = acc + r * 32 + 16 * v;
       _mm512_storeu_ps(a, _mm512_fmadd_ps(t, dx, _mm512_loadu_ps(a)));
     }
@@ -281,16 +375,16 @@ inline void block_rows(const PanelBlock& pb, const XQPairs& x, int m0, int64_t b
 }
 
 // Every row of x against laid-out block b, kR rows at a time (acc [rows][32]).
-template <int kR, bool Q6>
+template <int kR, Kind KD>
 inline void rows_of_block(const PanelBlock& pb, const XQPairs& x, int64_t rows, int64_t b,
                           float* acc) {
   int64_t m = 0;
-  for (; m + kR <= rows; m += kR) block_rows<kR, Q6>(pb, x, int(m), b, acc + m * 32);
+  for (; m + kR <= rows; m += kR) block_rows<kR, KD>(pb, x, int(m), b, acc + m * 32);
   float* a = acc + m * 32;
   switch (rows - m) {
 #define TW_TAIL(R)                                  \
   case R:                                           \
-    return block_rows<R, Q6>(pb, x, int(m), b, a);
+    return block_rows<R, KD>(pb, x, int(m), b, a);
     TW_TAIL(1) TW_TAIL(2) TW_TAIL(3) TW_TAIL(4) TW_TAIL(5) TW_TAIL(6) TW_TAIL(7)
 #undef TW_TAIL
     default: return;
@@ -303,9 +397,9 @@ inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, in
                          QType t, const uint8_t* w, int64_t row_bytes, int64_t in, int64_t out,
                          const c10::BFloat16* bias) {
   constexpr int kPanel = 32, kR = 6;
-  const bool q6 = t == QType::Q6_K;
+  const Kind kd = kind_of(t);
   XQPairs x;
-  x.fill(xf, int(rows), in, q6 ? 16 : 32);
+  x.fill(xf, int(rows), in, kd == Kind::K6 ? 16 : 32);
   const int64_t nb = in / 256, panels = (out + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     auto pb = std::make_unique<PanelBlock>();
@@ -325,10 +419,12 @@ inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, in
           lay_out_block(t, w + (n0 + 16 * v) * row_bytes, row_bytes,
                         std::max(0, std::min(16, n - 16 * v)), b, *pb, v);
         int64_t m = 0;
-        if (q6)
-          rows_of_block<kR, true>(*pb, x, rows, b, acc.data());
+        if (kd == Kind::K6)
+          rows_of_block<kR, Kind::K6>(*pb, x, rows, b, acc.data());
+        else if (kd == Kind::K)
+          rows_of_block<kR, Kind::K>(*pb, x, rows, b, acc.data());
         else
-          rows_of_block<kR, false>(*pb, x, rows, b, acc.data());
+          rows_of_block<kR, Kind::B32>(*pb, x, rows, b, acc.data());
       }
       __m512 bv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
       if (bias) {
