@@ -94,7 +94,8 @@ class CompiledDecodeStep:
         self.v_caches = [v for _, v in kv_caches]
         self.steps = 0  # decode steps run here (tests check which path ran)
         # GGUF: past the rows where a type's small-batch kernel leads (GGUFLinear.small_limit),
-        # the eager path's integer GEMM or tiled kernel is the faster one
+        # the eager path's integer GEMM or tiled kernel is the faster one (decided here, with
+        # the AMX state of the build; a speculative verification past it runs eagerly too)
         if gguf:
             self.max_rows = min([self.max_rows] + [m.small_limit(p) for m in matmuls
                                                    if isinstance(m, GGUFLinear)

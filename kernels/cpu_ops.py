@@ -265,8 +265,9 @@ def gguf_linear_tiled(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     AMX tiles while the next part of the tile is dequantized; else 16 rows a tile and
     vdpbf16ps. int8_x, where gguf_gemm_int8(qtype, in): x quantized to int8 as
     gguf_linear_small quantizes it, and the codes multiplied as bytes (vpdpbusd) with no
-    bf16 copy of any weight (kernels/cpu/gguf_gemm.h): on a Zen 4, 1.1-1.4x the packed bf16
-    GEMM of the same shape from 64 to 512 rows (Q6_K 1.0-1.1x)."""
+    bf16 copy of any weight (kernels/cpu/gguf_gemm.h): on a Zen 4, Q4_K 1.1-1.4x the
+    packed bf16 GEMM of the same shape from 64 to 512 rows, every type 1.1-1.4x from 256
+    rows (docs/cpu-engine.md)."""
     if out is None:
         out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype)
     torch.ops.tidewire.gguf_linear_tiled(out, x, weight, qtype, bias, bool(int8_x))

@@ -1,10 +1,10 @@
-"""The compiled kernels for GGUF block-quantized weights (kernels/cpu/gguf_quant.h)
-against the `gguf` package's own dequantizer: x W^T for 1-8 rows (gguf_linear_small) and
-for any number of bf16 rows (gguf_linear_tiled; with int8_x, the integer GEMM for the K
-types) equals x times the dequantized W in fp32 to rounding (of bf16 x; of its int8 form
-where the int8 path runs: AVX2, AVX-512 VNNI), for
-every block type, on random blocks (any bytes with finite scales are valid blocks) and odd
-output sizes; dequantized rows equal the package's bit for bit."""
+"""The compiled kernels for GGUF block-quantized weights (kernels/cpu/gguf_quant.h,
+gguf_gemm.h) against the `gguf` package's own dequantizer: x W^T for 1-8 rows
+(gguf_linear_small) and for any number of bf16 rows (gguf_linear_tiled; with int8_x, the
+integer GEMM) equals x times the dequantized W in fp32 to rounding (of bf16 x; of its int8
+form where the int8 path runs: AVX2, AVX-512 VNNI), for every block type, on random blocks
+(any bytes with finite scales are valid blocks) and odd output sizes; dequantized rows
+equal the package's bit for bit."""
 
 from __future__ import annotations
 
@@ -142,22 +142,32 @@ def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
     and an empty one, rows of 3 K blocks; bias added; a column slice as output."""
     if not cpu_ops.gguf_gemm_int8(qtype, 768):
         pytest.skip("the integer GEMM needs AVX-512 VNNI and BF16, AMX off")
-    cols, out = 768, 37
-    blocks = random_blocks(qtype, out, cols, seed=400 + qtype)
-    w = torch.from_numpy(blocks)
-    ref = dequantized(blocks, qtype, cols)
-    bias = torch.randn(out).to(torch.bfloat16)
+    if qtype < 12:  # 32-value blocks in rows that are not a multiple of 256 values
+        assert not cpu_ops.gguf_gemm_int8(qtype, 736)
+    cols = 768
     g = torch.Generator().manual_seed(qtype)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 70, 300):
-        x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
-        x[rows // 2] = 0.0
-        want = x_as_int8(x, 256) @ ref.T + bias.float()
-        got = cpu_ops.gguf_linear_tiled(x, w, qtype, bias, int8_x=True)
-        torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(),
-                                   rtol=1e-2)
-        # what int8 x adds to the exact product stays small
-        exact = x.float() @ ref.T + bias.float()
-        assert (got.float() - exact).abs().max() < 3e-2 * exact.abs().max()
+    for out in (37, 53):  # panels' halves: 5 live columns and none; 16 and 5
+        blocks = random_blocks(qtype, out, cols, seed=400 + qtype + out)
+        w = torch.from_numpy(blocks)
+        ref = dequantized(blocks, qtype, cols)
+        bias = torch.randn(out, generator=g).to(torch.bfloat16)
+        for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 70, 300):
+            x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+            x[rows // 2] = 0.0
+            want = x_as_int8(x, 256) @ ref.T + bias.float()
+            got = cpu_ops.gguf_linear_tiled(x, w, qtype, bias, int8_x=True)
+            torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(),
+                                       rtol=1e-2)
+            # what int8 x adds to the exact product stays small
+            exact = x.float() @ ref.T + bias.float()
+            assert (got.float() - exact).abs().max() < 3e-2 * exact.abs().max()
+    # a row with one large value: its 256-value group rounds the rest to a few steps, so
+    # int8 x and the exact product differ plainly, and the kernel is the int8 one
+    x = torch.randn(8, cols, generator=g).to(torch.bfloat16)
+    x[:, 7] = 60.0
+    got = cpu_ops.gguf_linear_tiled(x, w, qtype, None, int8_x=True).float()
+    as_int8, exact = x_as_int8(x, 256) @ ref.T, x.float() @ ref.T
+    assert (got - as_int8).abs().max() < 0.2 * (got - exact).abs().max()
     x = torch.randn(9, cols, generator=g).to(torch.bfloat16)
     wide = torch.zeros(9, out + 10, dtype=torch.bfloat16)
     cpu_ops.gguf_linear_tiled(x, w, qtype, None, out=wide[:, 5 : 5 + out], int8_x=True)
@@ -201,6 +211,14 @@ def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> No
               6: [("tiled", 12, True), ("small", 14, True), ("tiled", 2, True)],
               7: [("tiled", 12, True), ("tiled", 14, True), ("tiled", 2, True)],
               300: [("tiled", 12, True), ("tiled", 14, True), ("tiled", 2, True)]}
+    # rows of a width the GEMM does not take (Q4_0's 32-value blocks, 576 values): the
+    # small kernel to 4 rows, then the bf16 tiles
+    narrow = GGUFLinear([QuantWeight(2, torch.from_numpy(random_blocks(2, 8, 576, seed=9)),
+                                     576)], None, torch.bfloat16)
+    assert narrow.small_limit(narrow.parts[0]) == 4
+    calls.clear()
+    narrow(torch.randn(6, 576, generator=g).to(torch.bfloat16))
+    assert calls == [("tiled", 2, False)]
     for rows, route in routes.items():
         calls.clear()
         x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)

@@ -153,6 +153,7 @@ class GGUFLinear:
         self.int8_x = dtype == torch.bfloat16 if int8_x is None else int8_x
         self.in_features = int(parts[0].shape[1])
         self.out_features = sum(int(p.shape[0]) for p in parts)
+        self._gemm_by_part: dict[tuple[int, bool], bool] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from engine.gguf_weights import QuantWeight
@@ -183,10 +184,15 @@ class GGUFLinear:
         return out
 
     def _gemm(self, p: Any) -> bool:
-        """Whether bf16 batches past small_limit(p) rows take the integer GEMM."""
-        return self.int8_x and self.dtype == torch.bfloat16 and p.qtype in self.gemm_rows \
-            and cpu_ops.gguf_tiled() \
-            and cpu_ops.gguf_gemm_int8(p.qtype, p.cols)
+        """Whether bf16 batches past small_limit(p) rows take the integer GEMM (asked for
+        every part of every call: kept by part and AMX state)."""
+        key = (id(p), cpu_ops.amx())
+        got = self._gemm_by_part.get(key)
+        if got is None:
+            got = self._gemm_by_part[key] = bool(
+                self.int8_x and self.dtype == torch.bfloat16 and p.qtype in self.gemm_rows
+                and cpu_ops.gguf_tiled() and cpu_ops.gguf_gemm_int8(p.qtype, p.cols))
+        return got
 
     def small_limit(self, p: Any) -> int:
         """The most rows of bf16 x the small-batch kernel takes for QuantWeight part p."""

@@ -61,32 +61,6 @@ struct alignas(64) PanelBlock {
   __m512 bd[8][2], bo[8][2];  // B32: block s's d and offset factor o a column
 };
 
-// 16 vectors of 16 32-bit lanes transposed in place: r[i] lane j <- r[j] lane i.
-inline void transpose16(__m512i* r) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4 g + i], 128-bit lane k: rows 4 g .. 4 g + 3 at element 4 k + i
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int i = 0; i < 4; ++i) {  // element 4 k + i gathers lane k of u[i], u[4+i], ...
-    const __m512i a = _mm512_shuffle_i32x4(u[i], u[4 + i], 0x88);
-    const __m512i b = _mm512_shuffle_i32x4(u[i], u[4 + i], 0xDD);
-    const __m512i c = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0x88);
-    const __m512i d = _mm512_shuffle_i32x4(u[8 + i], u[12 + i], 0xDD);
-    r[i] = _mm512_shuffle_i32x4(a, c, 0x88);
-    r[8 + i] = _mm512_shuffle_i32x4(a, c, 0xDD);
-    r[4 + i] = _mm512_shuffle_i32x4(b, d, 0x88);
-    r[12 + i] = _mm512_shuffle_i32x4(b, d, 0xDD);
-  }
-}
-
 inline int32_t word_pair(int lo, int hi) {
   return int32_t(uint32_t(uint16_t(int16_t(lo))) | (uint32_t(uint16_t(int16_t(hi))) << 16));
 }
@@ -132,7 +106,7 @@ inline void lay_out_b32(QType t, const uint8_t* w, int64_t row_bytes, int n, int
                             : _mm512_setzero_si512();
       }
     for (int c = 0; c < 4; ++c) {
-      transpose16(codes[c]);
+      transpose16x16(codes[c]);
       for (int i = 0; i < 16; ++i) pb.codes[16 * c + i][v] = codes[c][i];
     }
     return;
@@ -150,7 +124,7 @@ inline void lay_out_b32(QType t, const uint8_t* w, int64_t row_bytes, int n, int
       for (int k = 0; k < 4; ++k)
         q[j] = _mm512_inserti32x4(q[j], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + k * bytes)), k);
     }
-    transpose16(q);
+    transpose16x16(q);
     for (int d = 0; d < 16; ++d) {
       const int blk = 4 * z + d / 4;
       pb.codes[8 * blk + d % 4][v] = _mm512_and_si512(q[d], low);
@@ -224,9 +198,9 @@ inline void lay_out_block(QType t, const uint8_t* w, int64_t row_bytes, int n, i
       for (int z = 0; z < 2; ++z) ql[z][j] = j < n ? _mm512_loadu_si512(blk + 64 * z) : _mm512_setzero_si512();
       qh[j] = j < n ? _mm512_loadu_si512(blk + 128) : _mm512_setzero_si512();
     }
-    transpose16(ql[0]);
-    transpose16(ql[1]);
-    transpose16(qh);
+    transpose16x16(ql[0]);
+    transpose16x16(ql[1]);
+    transpose16x16(qh);
     const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
     for (int k = 0; k < 64; ++k) {
       const int h = k / 32, r = k % 32 / 8, p = k % 8;
@@ -251,14 +225,14 @@ inline void lay_out_block(QType t, const uint8_t* w, int64_t row_bytes, int n, i
       qh[j] = j < n ? _mm512_zextsi256_si512(_mm256_loadu_si256(
                           reinterpret_cast<const __m256i*>(w0 + j * row_bytes + 16)))
                     : _mm512_setzero_si512();
-    transpose16(qh);
+    transpose16x16(qh);
   }
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int z = 0; z < 2; ++z) {
     __m512i q[16];
     for (int j = 0; j < 16; ++j)
       q[j] = j < n ? _mm512_loadu_si512(w0 + j * row_bytes + qs_at + 64 * z) : _mm512_setzero_si512();
-    transpose16(q);
+    transpose16x16(q);
     for (int i = 0; i < 16; ++i) {
       const int k = 16 * (2 * z + i / 8) + i % 8;
       __m512i lo = _mm512_and_si512(q[i], low), hi = _mm512_and_si512(_mm512_srli_epi32(q[i], 4), low);
@@ -286,17 +260,19 @@ struct XQPairs {
     per_block = 256 / (2 * sub);
     pairs.resize(rows * (in / (2 * sub)));
     sums.resize(rows * (in / sub));
-    for (int m = 0; m < rows; ++m) {
-      const int8_t* q = xq.row(m);
-      for (int64_t p = 0; p < in / (2 * sub); ++p) {
-        int s[2] = {0, 0};
-        for (int h = 0; h < 2; ++h)
-          for (int i = 0; i < sub; ++i) s[h] += q[(2 * p + h) * sub + i];
-        pairs[m * (in / (2 * sub)) + p] = word_pair(s[0], s[1]);
-        sums[m * (in / sub) + 2 * p] = float(s[0]);
-        sums[m * (in / sub) + 2 * p + 1] = float(s[1]);
+    at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        const int8_t* q = xq.row(int(m));
+        for (int64_t p = 0; p < in / (2 * sub); ++p) {
+          int s[2] = {0, 0};
+          for (int h = 0; h < 2; ++h)
+            for (int i = 0; i < sub; ++i) s[h] += q[(2 * p + h) * sub + i];
+          pairs[m * (in / (2 * sub)) + p] = word_pair(s[0], s[1]);
+          sums[m * (in / sub) + 2 * p] = float(s[0]);
+          sums[m * (in / sub) + 2 * p + 1] = float(s[1]);
+        }
       }
-    }
+    });
   }
 };
 
@@ -418,7 +394,6 @@ inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, in
         for (int v = 0; v < 2; ++v)
           lay_out_block(t, w + (n0 + 16 * v) * row_bytes, row_bytes,
                         std::max(0, std::min(16, n - 16 * v)), b, *pb, v);
-        int64_t m = 0;
         if (kd == Kind::K6)
           rows_of_block<kR, Kind::K6>(*pb, x, rows, b, acc.data());
         else if (kd == Kind::K)
@@ -447,6 +422,10 @@ inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, in
 #else
 
 inline bool qgemm_int8_reads(QType, int64_t) { return false; }
+
+// (never called: qgemm_int8_reads says no)
+inline void qlinear_int8(c10::BFloat16*, int64_t, const float*, int64_t, QType, const uint8_t*,
+                         int64_t, int64_t, int64_t, const c10::BFloat16*) {}
 
 #endif
 

@@ -447,15 +447,18 @@ struct XQ {
     dx.resize(rows * ng);
     sums.resize(rows * (in / 16));
     sums32.resize(rows * (in / 32));
-    for (int m = 0; m < rows; ++m)
-      for (int64_t b = 0; b < ng; ++b) {
-        const float* x = xf + m * in + b * group;
-        int8_t* qb = q.data() + m * in + b * group;
-        float* sb = sums.data() + m * (in / 16) + b * (group / 16);
-        dx[m * ng + b] = quantize_group(x, qb, sb);
-        for (int64_t k = 0; k < group / 32; ++k)
-          sums32[m * (in / 32) + b * (group / 32) + k] = sb[2 * k] + sb[2 * k + 1];
-      }
+    // (16 rows a task: the small kernel's 1-8 rows stay on the calling thread)
+    at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < ng; ++b) {
+          const float* x = xf + m * in + b * group;
+          int8_t* qb = q.data() + m * in + b * group;
+          float* sb = sums.data() + m * (in / 16) + b * (group / 16);
+          dx[m * ng + b] = quantize_group(x, qb, sb);
+          for (int64_t k = 0; k < group / 32; ++k)
+            sums32[m * (in / 32) + b * (group / 32) + k] = sb[2 * k] + sb[2 * k + 1];
+        }
+    });
   }
   const int8_t* row(int m) const { return q.data() + m * in; }
 

@@ -337,7 +337,8 @@ void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
 }
 
 // Whether gguf_linear_tiled with int8_x multiplies type qtype (rows of `in` values) on
-// the integer GEMM (gguf_gemm.h): AVX-512 VNNI and BF16, K types, and not where AMX runs.
+// the integer GEMM (gguf_gemm.h): AVX-512 VNNI and BF16, `in` a multiple of 256, and not
+// where AMX runs.
 bool gguf_gemm_int8(int64_t qtype, int64_t in) {
   check(qtype_known(qtype), "gguf_gemm_int8: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
 #if defined(TW_AMX)

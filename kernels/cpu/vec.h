@@ -93,6 +93,36 @@ inline void store16(c10::BFloat16* p, f32x16 v) {
   std::memcpy(p, &h, sizeof(h));
 }
 
+#if defined(__AVX512F__)
+// r[i] lane j <- r[j] lane i: a 16 x 16 matrix of 32-bit values transposed in registers.
+inline void transpose16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of 32-bit values
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4 q + j], 128-bit lane l: column 4 l + j of rows 4 q..4 q + 3; two rounds of lane
+  // shuffles gather each column's four lanes
+  for (int i = 0; i < 4; ++i) {
+    for (int h = 0; h < 2; ++h) {
+      const int a = i + 8 * h;  // rows i and i + 4 (and i + 8, i + 12)
+      t[a] = _mm512_shuffle_i32x4(r[a], r[a + 4], 0x88);
+      t[a + 4] = _mm512_shuffle_i32x4(r[a], r[a + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
 inline float hsum(f32x16 v) {
   typedef float f32x8 __attribute__((vector_size(32)));
   typedef float f32x4 __attribute__((vector_size(16)));
