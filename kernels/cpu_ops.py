@@ -241,6 +241,17 @@ def gguf_gemm_int8(qtype: int, in_features: int) -> bool:
     return bool(_state[key])
 
 
+def linear_int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x (q * scale[:, None])^T (+ bias) for bf16 x [rows, in] with any number of rows
+    and int8 weights q [out, in] with an fp32 scale a row (`--quantization int8`), where
+    gguf_gemm_int8(8, in): x quantized to int8 per 256 values and multiplied as bytes on
+    the integer GEMM (kernels/cpu/gguf_gemm.h), so batches need no bf16 copy of q."""
+    out = torch.empty((x.shape[0], q.shape[0]), dtype=x.dtype)
+    torch.ops.tidewire.linear_int8_gemm(out, x, q, scale, bias)
+    return out
+
+
 def amx(allow: bool | None = None) -> bool:
     """Whether the compiled kernels multiply on AMX tiles (the CPU has AMX-BF16 and Linux
     granted this process the tile state: kernels/cpu/amx.h): the GGUF tiled matmul and

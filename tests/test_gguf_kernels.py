@@ -234,6 +234,39 @@ def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> No
             o += p.rows
 
 
+def test_int8_weights_take_the_integer_gemm_with_no_bf16_copy() -> None:
+    """`--quantization int8` weights (int8 rows, an fp32 scale each) on the integer GEMM:
+    x quantized per 256 values times q * s in fp32, to bf16 rounding, for the row tails
+    and panel halves the GGUF tests use; Int8Linear in bf16 keeps no dequantized copy
+    where the GEMM runs and sends batches past small_rows to it (fewer to linear_small)."""
+    from engine.models.layers import Int8Linear
+
+    cols = 768
+    if not cpu_ops.gguf_gemm_int8(8, cols):
+        pytest.skip("the integer GEMM needs AVX-512 VNNI and BF16, AMX off")
+    g = torch.Generator().manual_seed(11)
+    for out in (37, 53):
+        q = torch.randint(-127, 128, (out, cols), generator=g, dtype=torch.int8)
+        scale = torch.rand(out, generator=g) * 1e-2
+        ref = q.float() * scale[:, None]
+        bias = torch.randn(out, generator=g).to(torch.bfloat16)
+        for rows in (1, 5, 6, 7, 13, 64, 300):
+            x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+            want = x_as_int8(x, 256) @ ref.T + bias.float()
+            got = cpu_ops.linear_int8_gemm(x, q, scale, bias)
+            torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(),
+                                       rtol=1e-2)
+    lin = Int8Linear(q, scale, None, torch.bfloat16)
+    assert lin.gemm and lin.dense is None
+    for rows in (3, 5, 40):
+        x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+        want = (cpu_ops.linear_small(x, q, scale) if rows <= Int8Linear.small_rows
+                else cpu_ops.linear_int8_gemm(x, q, scale))
+        assert torch.equal(lin(x), want)
+    assert Int8Linear(q, scale, None, torch.float32).dense is not None  # fp32: exact sums
+    assert Int8Linear(q[:, :736], scale, None, torch.bfloat16).dense is not None
+
+
 def test_gguf_kernels_refuse_what_they_cannot_read() -> None:
     w = torch.from_numpy(random_blocks(12, 4, 256, seed=1))
     with pytest.raises(RuntimeError, match="type must be"):

@@ -78,8 +78,12 @@ def _few_rows(x: torch.Tensor, limit: int) -> bool:
 class Int8Linear:
     """Weight-only int8 (engine/quant.py). Up to `small_rows` rows stream the int8
     weights through cpu_ops.linear_small (half the bytes of bf16: decode is bound by
-    reading them); bigger batches, where that kernel loses to a dense GEMM, use the
-    dequantized weights in the activation dtype (the same values)."""
+    reading them). Bigger batches in bf16, on a CPU with the integer GEMM
+    (cpu_ops.gguf_gemm_int8: AVX-512 VNNI and BF16, AMX not in use) and rows of a
+    multiple of 256 values, take cpu_ops.linear_int8_gemm: x in int8 against the weights
+    as they are, so no other copy of them is kept. Elsewhere, where that kernel loses to
+    a dense GEMM, they use the dequantized weights in the activation dtype (the same
+    values), made at load."""
 
     small_rows = 4
 
@@ -87,12 +91,15 @@ class Int8Linear:
                  dtype: torch.dtype) -> None:
         self.q, self.scale, self.bias = q.contiguous(), scale.float().contiguous(), bias
         self.out_features, self.in_features = q.shape
+        self.gemm = dtype == torch.bfloat16 and cpu_ops.gguf_gemm_int8(8, self.in_features)
         # (no plain copy: batches of up to small_rows rows never reach it)
-        self.dense = Linear(dequantize_int8(q, scale).to(dtype), bias)
+        self.dense = None if self.gemm else Linear(dequantize_int8(q, scale).to(dtype), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if _few_rows(x, self.small_rows):
             return cpu_ops.linear_small(x, self.q, self.scale, self.bias)
+        if self.dense is None:
+            return cpu_ops.linear_int8_gemm(x.contiguous(), self.q, self.scale, self.bias)
         return self.dense(x)
 
 

@@ -367,16 +367,14 @@ inline void rows_of_block(const PanelBlock& pb, const XQPairs& x, int64_t rows, 
   }
 }
 
-// y [rows, out] (row stride y_stride) = x W^T (+ bias) for bf16 x with any number of rows,
-// W [out rows of row_bytes] of a type qgemm_int8_reads takes; xf: x in fp32.
-inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, int64_t rows,
-                         QType t, const uint8_t* w, int64_t row_bytes, int64_t in, int64_t out,
-                         const c10::BFloat16* bias) {
+// The GEMM over panels of 32 weight rows: `lay(pb, n0, n, b)` lays out block b of the rows
+// [n0, n0 + n) into pb; w, row_bytes: the weight's bytes, for prefetching the next panel.
+template <class Lay>
+inline void qgemm_panels(c10::BFloat16* y, int64_t y_stride, const XQPairs& x, int64_t rows,
+                         Kind kd, const uint8_t* w, int64_t row_bytes, int64_t out,
+                         const c10::BFloat16* bias, const Lay& lay) {
   constexpr int kPanel = 32, kR = 6;
-  const Kind kd = kind_of(t);
-  XQPairs x;
-  x.fill(xf, int(rows), in, kd == Kind::K6 ? 16 : 32);
-  const int64_t nb = in / 256, panels = (out + kPanel - 1) / kPanel;
+  const int64_t nb = x.xq.in / 256, panels = (out + kPanel - 1) / kPanel;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     auto pb = std::make_unique<PanelBlock>();
     std::vector<float> acc(rows * kPanel);
@@ -391,9 +389,7 @@ inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, in
       for (int64_t b = 0; b < nb; ++b) {
         for (int64_t o = next * b / nb; o < next * (b + 1) / nb; o += 64)
           _mm_prefetch(reinterpret_cast<const char*>(nw + o), _MM_HINT_T1);
-        for (int v = 0; v < 2; ++v)
-          lay_out_block(t, w + (n0 + 16 * v) * row_bytes, row_bytes,
-                        std::max(0, std::min(16, n - 16 * v)), b, *pb, v);
+        lay(*pb, n0, n, b);
         if (kd == Kind::K6)
           rows_of_block<kR, Kind::K6>(*pb, x, rows, b, acc.data());
         else if (kd == Kind::K)
@@ -419,6 +415,61 @@ inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, in
   });
 }
 
+// y [rows, out] (row stride y_stride) = x W^T (+ bias) for bf16 x with any number of rows,
+// W [out rows of row_bytes] of a type qgemm_int8_reads takes; xf: x in fp32.
+inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, int64_t rows,
+                         QType t, const uint8_t* w, int64_t row_bytes, int64_t in, int64_t out,
+                         const c10::BFloat16* bias) {
+  const Kind kd = kind_of(t);
+  XQPairs x;
+  x.fill(xf, int(rows), in, kd == Kind::K6 ? 16 : 32);
+  qgemm_panels(y, y_stride, x, rows, kd, w, row_bytes, out, bias,
+               [&](PanelBlock& pb, int64_t n0, int n, int64_t b) {
+                 for (int v = 0; v < 2; ++v)
+                   lay_out_block(t, w + (n0 + 16 * v) * row_bytes, row_bytes,
+                                 std::max(0, std::min(16, n - 16 * v)), b, pb, v);
+               });
+}
+
+// Block b (256 values) of 16 rows of int8 weights with a scale each (`--quantization
+// int8`: w = s q), rows [0, n) of those from q (`in` apart), into half v of pb: as Q8_0's
+// codes (q + 128, o = -128 s), every 32-value group with the row's scale.
+inline void lay_out_int8_rows(const int8_t* q, int64_t in, const float* scale, int n,
+                              int64_t b, PanelBlock& pb, int v) {
+  const __mmask16 live = __mmask16((1u << n) - 1);
+  const __m512 s = _mm512_maskz_loadu_ps(live, scale);
+  const __m512 o = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
+  for (int g = 0; g < 8; ++g) {
+    pb.bd[g][v] = s;
+    pb.bo[g][v] = o;
+  }
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512i codes[4][16];
+  for (int j = 0; j < 16; ++j)
+    for (int c = 0; c < 4; ++c)
+      codes[c][j] = j < n ? _mm512_xor_si512(_mm512_loadu_si512(q + j * in + b * 256 + 64 * c), flip)
+                          : _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    transpose16x16(codes[c]);
+    for (int i = 0; i < 16; ++i) pb.codes[16 * c + i][v] = codes[c][i];
+  }
+}
+
+// y = x (q s)^T (+ bias) for bf16 x with any number of rows and int8 weights q [out, in]
+// with a scale a row (in a multiple of 256); xf: x in fp32.
+inline void linear_int8_rows(c10::BFloat16* y, int64_t y_stride, const float* xf, int64_t rows,
+                             const int8_t* q, const float* scale, int64_t in, int64_t out,
+                             const c10::BFloat16* bias) {
+  XQPairs x;
+  x.fill(xf, int(rows), in, 32);
+  qgemm_panels(y, y_stride, x, rows, Kind::B32, reinterpret_cast<const uint8_t*>(q), in, out,
+               bias, [&](PanelBlock& pb, int64_t n0, int n, int64_t b) {
+                 for (int v = 0; v < 2; ++v)
+                   lay_out_int8_rows(q + (n0 + 16 * v) * in, in, scale + n0 + 16 * v,
+                                     std::max(0, std::min(16, n - 16 * v)), b, pb, v);
+               });
+}
+
 #else
 
 inline bool qgemm_int8_reads(QType, int64_t) { return false; }
@@ -426,6 +477,8 @@ inline bool qgemm_int8_reads(QType, int64_t) { return false; }
 // (never called: qgemm_int8_reads says no)
 inline void qlinear_int8(c10::BFloat16*, int64_t, const float*, int64_t, QType, const uint8_t*,
                          int64_t, int64_t, int64_t, const c10::BFloat16*) {}
+inline void linear_int8_rows(c10::BFloat16*, int64_t, const float*, int64_t, const int8_t*,
+                             const float*, int64_t, int64_t, const c10::BFloat16*) {}
 
 #endif
 

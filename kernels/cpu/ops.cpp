@@ -301,6 +301,30 @@ void linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w,
     check(false, "dtype must be float32 or bfloat16");
 }
 
+// y = x (q s)^T (+ bias) for bf16 x with any number of rows and int8 weights q [out, in] with
+// fp32 scales s [out] (`--quantization int8`), on the integer GEMM (gguf_gemm.h), where
+// gguf_gemm_int8 says it runs for Q8_0 rows of `in` values.
+void linear_int8_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                      const c10::optional<at::Tensor>& bias) {
+  const int64_t rows = x.size(0), in = q.size(1), o = q.size(0);
+  check(qgemm_int8_reads(QType::Q8_0, in), "linear_int8_gemm: needs AVX-512 VNNI and BF16, in % 256 == 0");
+  check(x.dim() == 2 && x.size(1) == in && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+        "linear_int8_gemm: x bf16 [rows, in] with unit column stride");
+  check(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar, "linear_int8_gemm: q int8 [out, in]");
+  check(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == o,
+        "linear_int8_gemm: scale must be fp32 [out]");
+  check(out.dim() == 2 && out.size(0) == rows && out.size(1) == o && out.stride(1) == 1 &&
+            out.scalar_type() == at::kBFloat16,
+        "linear_int8_gemm: out bf16 [rows, out], unit column stride");
+  if (bias.has_value())
+    check(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == o,
+          "linear_int8_gemm: bias must be bf16 [out]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  linear_int8_rows(out.data_ptr<c10::BFloat16>(), out.stride(0), xf.const_data_ptr<float>(), rows,
+                   q.const_data_ptr<int8_t>(), scale.const_data_ptr<float>(), in, o,
+                   bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
+}
+
 // y = x W^T (+ bias) for 1-8 rows of x and a GGUF block-quantized W (gguf_quant.h);
 // `out` may be a column slice of a wider output (rows of stride out.stride(0)).
 void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, int64_t qtype,
@@ -708,6 +732,8 @@ TORCH_LIBRARY(tidewire, m) {
   m.def("cpu_amx(int allow=-1) -> bool", &tw::cpu_amx);
   m.def("gguf_reads_int8(int qtype, int in_features) -> bool", &tw::gguf_reads_int8);
   m.def("gguf_gemm_int8(int qtype, int in_features) -> bool", &tw::gguf_gemm_int8);
+  m.def("linear_int8_gemm(Tensor(a!) out, Tensor x, Tensor q, Tensor scale, Tensor? bias) -> ()",
+        &tw::linear_int8_gemm);
   m.def("gguf_linear_tiled(Tensor(a!) out, Tensor x, Tensor w, int qtype, Tensor? bias, bool int8_x) -> ()",
         &tw::gguf_linear_tiled);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps, "
