@@ -112,7 +112,7 @@ class GGUFLinear:
     cpu_ops.gguf_linear_small, which never dequantizes them. Where the small kernel takes
     x in int8 and the CPU has the integer GEMM (cpu_ops.gguf_gemm_int8: AVX-512 VNNI and
     BF16 without AMX), every batch above `gemm_rows[type]` rows,
-    prefill included, takes it: x in int8 against the 4-6 bit codes as bytes, faster
+    prefill included, takes it: x in int8 against the 4-8 bit codes as bytes, faster
     than the bf16 GEMM on the dequantized weight would be. Else decode batches
     of up to `tiled_rows` bf16 rows, where the CPU has AVX512-BF16, take
     cpu_ops.gguf_linear_tiled: a few weight rows at a time dequantized into a
