@@ -8,6 +8,10 @@ it applies, the paged kernels, the quantizing cache write), and the next-token
 distribution of every position is compared with HF transformers' in fp32 on the same
 weights: the share of positions whose top-1 token agrees, the mean KL divergence from
 the fp32 distribution, and each configuration's perplexity on the text.
+
+--prefill-chunk N feeds the text instead as prefill chunks of N tokens, every position's
+logits computed: the batched kernels (the GEMMs, GGUF's integer GEMM with its int8 x)
+rather than the decode step's.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF files of the same model (the same vocabulary: made from "
                         "--model by llama.cpp's converter and quantizer), each run as stored "
                         "(quantization gguf, bf16) and scored against --model's fp32")
+    p.add_argument("--prefill-chunk", type=int, default=0, metavar="N",
+                   help="score through prefill chunks of N tokens (the batched kernels) "
+                        "instead of one token a step (default: 0, the decode path)")
     p.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -97,6 +104,29 @@ def forced_logprobs(llm: Any, ids: list[int]) -> torch.Tensor:
     return torch.stack(out)
 
 
+def chunked_logprobs(llm: Any, ids: list[int], chunk: int) -> torch.Tensor:
+    """The engine's prefill path fed `ids` in chunks of `chunk` tokens of one sequence
+    (blocks 0..n of the pool), the logits of every row kept: log-probabilities
+    [len(ids), vocab]."""
+    from engine.attention.base import PrefillSpec, StepLayout
+
+    runner = llm.engine.runner
+    bs = runner.block_size
+    blocks = list(range(-(-len(ids) // bs)))
+    assert len(blocks) <= llm.engine.num_blocks, "the KV pool is too small for the text"
+    out = []
+    for c0 in range(0, len(ids), chunk):
+        c1 = min(len(ids), c0 + chunk)
+        layout = StepLayout(slot_mapping=list(range(c0, c1)), decode_seq_lens=[],
+                            decode_block_ids=[],
+                            prefills=[PrefillSpec(0, c1 - c0, c1, blocks[: -(-c1 // bs)])])
+        meta = runner.attn.build_metadata(layout)
+        logits = runner.model.forward(torch.tensor(ids[c0:c1]), torch.arange(c0, c1),
+                                      runner.kv_caches, meta, torch.arange(c1 - c0))
+        out.append(F.log_softmax(logits.float(), -1))
+    return torch.cat(out)
+
+
 def compare(ref: torch.Tensor, got: torch.Tensor, ids: list[int]) -> dict[str, float]:
     """Top-1 agreement and mean KL(ref || got) over positions 0..n-2 (each predicting
     the next token), and got's perplexity of ids[1:]."""
@@ -122,7 +152,7 @@ def main(a: argparse.Namespace) -> int:
     first.close()
     ref = reference_logprobs(model_dir, ids)
     results: dict[str, Any] = {
-        "model": a.model, "tokens": len(ids),
+        "model": a.model, "tokens": len(ids), "prefill_chunk": a.prefill_chunk,
         "fp32_perplexity": math.exp(float(-ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean())),
         "configs": {}}
     print(f"{len(ids)} tokens; HF fp32 perplexity {results['fp32_perplexity']:.3f}")
@@ -132,7 +162,9 @@ def main(a: argparse.Namespace) -> int:
     for name, model, kw in runs:
         llm = LLM(model=model, **kw, enable_prefix_caching=False,
                   max_num_seqs=1, max_model_len=len(ids) + 16)
-        r = compare(ref, forced_logprobs(llm, ids), ids)
+        got = (chunked_logprobs(llm, ids, a.prefill_chunk) if a.prefill_chunk > 0
+               else forced_logprobs(llm, ids))
+        r = compare(ref, got, ids)
         llm.close()
         results["configs"][name] = r
         print(f"{name:<18} {100 * r['top1_agreement']:>13.2f}% {r['mean_kl']:>10.5f} "

@@ -144,6 +144,24 @@ def test_bench_accuracy_forces_the_text_through_the_decode_path(tiny_chat_model,
     assert 0 < q8["mean_kl"] < 0.05 and q8["top1_agreement"] >= 0.8
 
 
+def test_bench_accuracy_scores_prefill_chunks_too(tiny_chat_model, tmp_path) -> None:
+    """--prefill-chunk: the text fed as prefill chunks (33 tokens: chunks that end inside
+    a block) through the batched kernels; fp32 equals HF fp32 there too."""
+    text = tmp_path / "text.md"
+    text.write_text("Tidewire serves a language model over WebSockets and HTTP. " * 8)
+    out = tmp_path / "accuracy.json"
+    rc = main(["bench", "accuracy", "--model", str(tiny_chat_model), "--text", str(text),
+               "--tokens", "80", "--configs", "fp32,bf16", "--prefill-chunk", "33",
+               "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["prefill_chunk"] == 33
+    fp32, bf16 = res["configs"]["fp32"], res["configs"]["bf16"]
+    assert fp32["top1_agreement"] == 1.0 and fp32["mean_kl"] < 1e-6
+    assert fp32["perplexity"] == pytest.approx(res["fp32_perplexity"], rel=1e-4)
+    assert 0 < bf16["mean_kl"] < 0.05
+
+
 def test_bench_accuracy_scores_a_gguf_as_stored_against_its_model(tmp_path) -> None:
     """--gguf: the shipped SmolLM2 file run as stored (its Q4_1 blocks, bf16 activations)
     against the same model's fp32 (its dequantized values): close, not identical."""

@@ -136,7 +136,7 @@ def _tiled_against_dequantized(qtype: int) -> None:
 def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
     """The integer GEMM (gguf_linear_tiled with int8_x, kernels/cpu/gguf_gemm.h): x
     quantized per 256 values as the small kernel quantizes it for the K types (the
-    32-value types too, there: their small kernel takes 64), times the dequantized W in
+    32-value types per 32: a scale a block), times the dequantized W in
     fp32, to bf16 rounding, for the row blocks of 6 and every tail (1-5 rows, 7, 13, 64,
     70, 300), a zero row, a weight whose 37 rows leave a panel with one live column vector
     and an empty one, rows of 3 K blocks; bias added; a column slice as output."""
@@ -145,6 +145,7 @@ def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
     if qtype < 12:  # 32-value blocks in rows that are not a multiple of 256 values
         assert not cpu_ops.gguf_gemm_int8(qtype, 736)
     cols = 768
+    group = 256 if qtype >= 12 else 32  # (the 32-value types: a scale of x a block)
     g = torch.Generator().manual_seed(qtype)
     for out in (37, 53):  # panels' halves: 5 live columns and none; 16 and 5
         blocks = random_blocks(qtype, out, cols, seed=400 + qtype + out)
@@ -154,7 +155,7 @@ def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
         for rows in (1, 2, 3, 4, 5, 6, 7, 13, 64, 70, 300):
             x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
             x[rows // 2] = 0.0
-            want = x_as_int8(x, 256) @ ref.T + bias.float()
+            want = x_as_int8(x, group) @ ref.T + bias.float()
             got = cpu_ops.gguf_linear_tiled(x, w, qtype, bias, int8_x=True)
             torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(),
                                        rtol=1e-2)
@@ -166,13 +167,13 @@ def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
     x = torch.randn(8, cols, generator=g).to(torch.bfloat16)
     x[:, 7] = 60.0
     got = cpu_ops.gguf_linear_tiled(x, w, qtype, None, int8_x=True).float()
-    as_int8, exact = x_as_int8(x, 256) @ ref.T, x.float() @ ref.T
+    as_int8, exact = x_as_int8(x, group) @ ref.T, x.float() @ ref.T
     assert (got - as_int8).abs().max() < 0.2 * (got - exact).abs().max()
     x = torch.randn(9, cols, generator=g).to(torch.bfloat16)
     wide = torch.zeros(9, out + 10, dtype=torch.bfloat16)
     cpu_ops.gguf_linear_tiled(x, w, qtype, None, out=wide[:, 5 : 5 + out], int8_x=True)
     assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
-    want = x_as_int8(x, 256) @ ref.T
+    want = x_as_int8(x, group) @ ref.T
     torch.testing.assert_close(wide[:, 5 : 5 + out].float(), want,
                                atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
@@ -226,7 +227,8 @@ def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> No
         assert calls == route
         o = 0
         for p in parts:
-            group = 64 if p.qtype == 2 and rows <= 4 else 256  # (Q4_0's small kernel: 64)
+            # (Q4_0: its small kernel's x per 64 values, the GEMM's per 32)
+            group = (64 if rows <= 4 else 32) if p.qtype == 2 else 256
             want = x_as_int8(x, group) @ dequantized(p.data.numpy(), p.qtype, cols).T
             part = got[:, o : o + p.rows].float()
             torch.testing.assert_close(part, want, atol=2e-2 * want.abs().max().item(),
@@ -236,7 +238,7 @@ def test_gguf_int8_gemm_is_chosen_past_the_small_kernels_rows(monkeypatch) -> No
 
 def test_int8_weights_take_the_integer_gemm_with_no_bf16_copy() -> None:
     """`--quantization int8` weights (int8 rows, an fp32 scale each) on the integer GEMM:
-    x quantized per 256 values times q * s in fp32, to bf16 rounding, for the row tails
+    x quantized per 32 values times q * s in fp32, to bf16 rounding, for the row tails
     and panel halves the GGUF tests use; Int8Linear in bf16 keeps no dequantized copy
     where the GEMM runs and sends batches past small_rows to it (fewer to linear_small)."""
     from engine.models.layers import Int8Linear
@@ -252,7 +254,7 @@ def test_int8_weights_take_the_integer_gemm_with_no_bf16_copy() -> None:
         bias = torch.randn(out, generator=g).to(torch.bfloat16)
         for rows in (1, 5, 6, 7, 13, 64, 300):
             x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
-            want = x_as_int8(x, 256) @ ref.T + bias.float()
+            want = x_as_int8(x, 32) @ ref.T + bias.float()
             got = cpu_ops.linear_int8_gemm(x, q, scale, bias)
             torch.testing.assert_close(got.float(), want, atol=1e-2 * want.abs().max().item(),
                                        rtol=1e-2)

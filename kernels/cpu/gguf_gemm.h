@@ -21,12 +21,14 @@
 // where X is the row's sum of x_q over the sub-block and (t, e) the offsets:
 // Q4_K/Q5_K w = d sc q - dmin m: t = m, e = dmin; Q6_K w = d sc (q - 32): t = sc, e = 32 d
 // (J in integers, a vpdpwssd per two sub-blocks: X as word pairs, broadcast).
-//     Q8_0, Q4_0, Q4_1 (w = d q + o):  y += dx * sum over blocks of (d I + o X)
+//     Q8_0, Q4_0, Q4_1 (w = d q + o):  y += sum over blocks of dx (d I + o X)
 // with Q8_0's signed codes read as unsigned (q + 128, o = -128 d), Q4_0's o = -8 d,
 // Q4_1's o = m.
 //
 // x is quantized as the small-batch kernel quantizes it for the K types (XQ: per 256
-// values of a row, dx = max|x| / 127).
+// values of a row, dx = max|x| / 127); for the 32-value types (and int8 rows) per 32
+// values, each block's dx applied with its d (llama.cpp's Q8_0 activations; the small
+// kernel takes 64).
 #pragma once
 
 #include <memory>
@@ -255,8 +257,9 @@ struct XQPairs {
   std::vector<int32_t> pairs;
   std::vector<float> sums;  // the same sums as fp32, [rows, in / sub]
   int64_t per_block = 0;  // pairs a 256-value block
-  void fill(const float* xf, int rows, int64_t in, int sub) {
-    xq.fill(xf, rows, in, 256);
+  // group: the values of a row that share a scale (256; the 32-value types 32)
+  void fill(const float* xf, int rows, int64_t in, int sub, int64_t group = 256) {
+    xq.fill(xf, rows, in, group);
     per_block = 256 / (2 * sub);
     pairs.resize(rows * (in / (2 * sub)));
     sums.resize(rows * (in / sub));
@@ -313,13 +316,15 @@ inline void block_rows(const PanelBlock& pb, const XQPairs& x, int m0, int64_t b
         dpbusd_bcast(ia[r][1], w1, xr[r] + k);
       }
     }
-    if constexpr (KD == Kind::B32) {
-      const float* xs = x.sums.data() + (m0) * (in / 32) + b * 8 + s;
+    if constexpr (KD == Kind::B32) {  // x has a scale a 32-value block too: dx (d I + o X)
+      const int64_t at = b * 8 + s;
       for (int r = 0; r < R; ++r) {
-        const __m512 xsum = _mm512_set1_ps(xs[r * (in / 32)]);
+        const __m512 xsum = _mm512_set1_ps(x.sums[(m0 + r) * (in / 32) + at]);
+        const __m512 dx = _mm512_set1_ps(x.xq.dx[(m0 + r) * (in / 32) + at]);
         for (int v = 0; v < 2; ++v)
-          f[r][v] = _mm512_fmadd_ps(pb.bo[s][v], xsum,
-                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[r][v]), pb.bd[s][v], f[r][v]));
+          f[r][v] = _mm512_fmadd_ps(
+              _mm512_fmadd_ps(pb.bo[s][v], xsum, _mm512_mul_ps(_mm512_cvtepi32_ps(ia[r][v]), pb.bd[s][v])),
+              dx, f[r][v]);
       }
     } else {
       // the sub-block's scale in integers (vpmulld: on a Zen 4 faster here than a
@@ -334,17 +339,18 @@ inline void block_rows(const PanelBlock& pb, const XQPairs& x, int m0, int64_t b
   const int pairs = int(x.per_block);
   for (int r = 0; r < R; ++r) {
     const int32_t* xp = x.pairs.data() + (m0 + r) * (nb * pairs) + b * pairs;
-    const __m512 dx = _mm512_set1_ps(x.xq.dx[(m0 + r) * nb + b]);
     for (int v = 0; v < 2; ++v) {
-      __m512 t = f[r][v];
-      if constexpr (KD != Kind::B32) {
-        __m512i j = _mm512_setzero_si512();
-        for (int p = 0; p < pairs; ++p)
-          j = _mm512_dpwssd_epi32(j, pb.offs[p][v], _mm512_set1_epi32(xp[p]));
-        t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(ig[r][v]), pb.d[v],
-                            _mm512_mul_ps(_mm512_cvtepi32_ps(j), pb.e[v]));
-      }
       float* a = acc + r * 32 + 16 * v;
+      if constexpr (KD == Kind::B32) {  // (dx applied a 32-value block)
+        _mm512_storeu_ps(a, _mm512_add_ps(f[r][v], _mm512_loadu_ps(a)));
+        continue;
+      }
+      const __m512 dx = _mm512_set1_ps(x.xq.dx[(m0 + r) * nb + b]);
+      __m512i j = _mm512_setzero_si512();
+      for (int p = 0; p < pairs; ++p)
+        j = _mm512_dpwssd_epi32(j, pb.offs[p][v], _mm512_set1_epi32(xp[p]));
+      const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(ig[r][v]), pb.d[v],
+                                       _mm512_mul_ps(_mm512_cvtepi32_ps(j), pb.e[v]));
       _mm512_storeu_ps(a, _mm512_fmadd_ps(t, dx, _mm512_loadu_ps(a)));
     }
   }
@@ -422,7 +428,7 @@ inline void qlinear_int8(c10::BFloat16* y, int64_t y_stride, const float* xf, in
                          const c10::BFloat16* bias) {
   const Kind kd = kind_of(t);
   XQPairs x;
-  x.fill(xf, int(rows), in, kd == Kind::K6 ? 16 : 32);
+  x.fill(xf, int(rows), in, kd == Kind::K6 ? 16 : 32, kd == Kind::B32 ? 32 : 256);
   qgemm_panels(y, y_stride, x, rows, kd, w, row_bytes, out, bias,
                [&](PanelBlock& pb, int64_t n0, int n, int64_t b) {
                  for (int v = 0; v < 2; ++v)
@@ -461,7 +467,7 @@ inline void linear_int8_rows(c10::BFloat16* y, int64_t y_stride, const float* xf
                              const int8_t* q, const float* scale, int64_t in, int64_t out,
                              const c10::BFloat16* bias) {
   XQPairs x;
-  x.fill(xf, int(rows), in, 32);
+  x.fill(xf, int(rows), in, 32, 32);
   qgemm_panels(y, y_stride, x, rows, Kind::B32, reinterpret_cast<const uint8_t*>(q), in, out,
                bias, [&](PanelBlock& pb, int64_t n0, int n, int64_t b) {
                  for (int v = 0; v < 2; ++v)
