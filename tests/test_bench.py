@@ -127,39 +127,41 @@ def test_bench_sampling_judges_answers_and_spots_loops() -> None:
     assert {"temperature": 1.0, "top_p": 1.0} in CANDIDATES  # what an unset request got before
 
 
-def test_bench_accuracy_forces_the_text_through_the_decode_path(tiny_chat_model, tmp_path) -> None:
-    """fp32 through Tidewire's decode path equals HF fp32 (the control); the int8 KV cache
-    changes the distributions a little and keeps most top-1 tokens."""
+def _accuracy(tmp_path, *args: str) -> dict:
+    """`tidewire bench accuracy` on a short repeated text, its --json results."""
     text = tmp_path / "text.md"
     text.write_text("Tidewire serves a language model over WebSockets and HTTP. " * 8)
     out = tmp_path / "accuracy.json"
-    rc = main(["bench", "accuracy", "--model", str(tiny_chat_model), "--text", str(text),
-               "--tokens", "80", "--configs", "fp32,fp32+kv-int8", "--json", str(out)])
-    assert rc == 0
-    res = json.loads(out.read_text())
-    assert res["tokens"] == 80
-    fp32, q8 = res["configs"]["fp32"], res["configs"]["fp32+kv-int8"]
+    assert main(["bench", "accuracy", "--text", str(text), *args, "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def _equals_hf(res: dict) -> None:
+    """The fp32 control equals HF fp32: every top-1, no divergence, the same perplexity."""
+    fp32 = res["configs"]["fp32"]
     assert fp32["top1_agreement"] == 1.0 and fp32["mean_kl"] < 1e-6
     assert fp32["perplexity"] == pytest.approx(res["fp32_perplexity"], rel=1e-4)
+
+
+def test_bench_accuracy_forces_the_text_through_the_decode_path(tiny_chat_model, tmp_path) -> None:
+    """fp32 through Tidewire's decode path equals HF fp32 (the control); the int8 KV cache
+    changes the distributions a little and keeps most top-1 tokens."""
+    res = _accuracy(tmp_path, "--model", str(tiny_chat_model), "--tokens", "80",
+                    "--configs", "fp32,fp32+kv-int8")
+    assert res["tokens"] == 80 and res["prefill_chunk"] == 0
+    _equals_hf(res)
+    q8 = res["configs"]["fp32+kv-int8"]
     assert 0 < q8["mean_kl"] < 0.05 and q8["top1_agreement"] >= 0.8
 
 
 def test_bench_accuracy_scores_prefill_chunks_too(tiny_chat_model, tmp_path) -> None:
     """--prefill-chunk: the text fed as prefill chunks (33 tokens: chunks that end inside
     a block) through the batched kernels; fp32 equals HF fp32 there too."""
-    text = tmp_path / "text.md"
-    text.write_text("Tidewire serves a language model over WebSockets and HTTP. " * 8)
-    out = tmp_path / "accuracy.json"
-    rc = main(["bench", "accuracy", "--model", str(tiny_chat_model), "--text", str(text),
-               "--tokens", "80", "--configs", "fp32,bf16", "--prefill-chunk", "33",
-               "--json", str(out)])
-    assert rc == 0
-    res = json.loads(out.read_text())
+    res = _accuracy(tmp_path, "--model", str(tiny_chat_model), "--tokens", "80",
+                    "--configs", "fp32,bf16", "--prefill-chunk", "33")
     assert res["prefill_chunk"] == 33
-    fp32, bf16 = res["configs"]["fp32"], res["configs"]["bf16"]
-    assert fp32["top1_agreement"] == 1.0 and fp32["mean_kl"] < 1e-6
-    assert fp32["perplexity"] == pytest.approx(res["fp32_perplexity"], rel=1e-4)
-    assert 0 < bf16["mean_kl"] < 0.05
+    _equals_hf(res)
+    assert 0 < res["configs"]["bf16"]["mean_kl"] < 0.05
 
 
 def test_bench_accuracy_scores_a_gguf_as_stored_against_its_model(tmp_path) -> None:
@@ -167,14 +169,9 @@ def test_bench_accuracy_scores_a_gguf_as_stored_against_its_model(tmp_path) -> N
     against the same model's fp32 (its dequantized values): close, not identical."""
     from engine.registry import REGISTRY, gguf_path
 
-    text = tmp_path / "text.md"
-    text.write_text("Tidewire serves a language model over WebSockets and HTTP. " * 8)
-    out = tmp_path / "accuracy.json"
     f = gguf_path(REGISTRY["smollm2-135m"])
-    rc = main(["bench", "accuracy", "--text", str(text), "--tokens", "24", "--configs", "bf16",
-               "--gguf", str(f), "--json", str(out)])
-    assert rc == 0
-    got = json.loads(out.read_text())["configs"][f.name]
+    got = _accuracy(tmp_path, "--tokens", "24", "--configs", "bf16", "--gguf", str(f))[
+        "configs"][f.name]
     assert 0 < got["mean_kl"] < 0.02 and got["top1_agreement"] >= 0.9
 
 
