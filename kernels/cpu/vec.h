@@ -151,19 +151,30 @@ inline f32x8 load8(const float* p) {
   return v;
 }
 
+// (AVX2: written with intrinsics, as GCC builds the generic conversions below from
+// scalar moves and inserts there: int8 weights streamed at a sixth of memory speed)
 inline f32x8 load8(const c10::BFloat16* p) {
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (f32x8)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
   u16x8 h;
   std::memcpy(&h, p, sizeof(h));
   u32x8 w = __builtin_convertvector(h, u32x8) << 16;  // bf16 is the top half of fp32
   f32x8 v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
+#endif
 }
 
 inline f32x8 load8(const int8_t* p) {
+#if defined(__AVX2__)
+  return (f32x8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
   i8x8 b;
   std::memcpy(&b, p, sizeof(b));
   return __builtin_convertvector(__builtin_convertvector(b, i32x8), f32x8);
+#endif
 }
 
 inline void store8(float* p, f32x8 v) { std::memcpy(p, &v, sizeof(v)); }
