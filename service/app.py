@@ -75,7 +75,8 @@ async def ready(request: Request) -> Response:
         return JSONResponse({"ready": False, "model": request.app.state.model_name, **loading},
                             status_code=503, headers=_retry_after(loading))
     gw: Gateway = request.app.state.gateway
-    ok = gw.engine.running and gw.accepting
+    ok = gw.engine.running and gw.engine.dead is None and gw.accepting  # (dead is set
+    # before the dying thread ends: /ready says so the moment /health does)
     return JSONResponse({"ready": ok, "model": gw.config.model_name},
                         status_code=200 if ok else 503)
 

