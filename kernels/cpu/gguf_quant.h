@@ -675,44 +675,86 @@ inline float hsum_ps(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// 8 bit-codes in 16-bit lanes: a (lanes 0-7) and b (lanes 8-15), as vpmaddwd's operand
-inline __m256i scale_pair(int a, int b) {
-  return _mm256_set_m128i(_mm_set1_epi16(int16_t(b)), _mm_set1_epi16(int16_t(a)));
+// vpshufb controls that spread 8 scales (words, the same 8 in both 128-bit lanes) over a
+// vector's 16-bit lanes, made once: word[k] puts scale k in every lane; pair[j] scale 2j
+// in lanes 0-7 and 2j + 1 in lanes 8-15 (a broadcast word each was 3-4 scalar uops).
+struct WordPicks {
+  __m256i word[8], pair[4];
+  WordPicks() {
+    alignas(32) int8_t ctl[32];
+    for (int k = 0; k < 8; ++k) {
+      for (int i = 0; i < 32; ++i) ctl[i] = int8_t(2 * k + (i & 1));
+      word[k] = _mm256_load_si256(reinterpret_cast<const __m256i*>(ctl));
+    }
+    for (int j = 0; j < 4; ++j) {
+      for (int i = 0; i < 32; ++i) ctl[i] = int8_t(2 * (2 * j + (i >= 16)) + (i & 1));
+      pair[j] = _mm256_load_si256(reinterpret_cast<const __m256i*>(ctl));
+    }
+  }
+};
+
+inline const WordPicks& word_picks() {
+  static const WordPicks picks;
+  return picks;
 }
 
-// Q4_0/Q4_1 (x per 64 values) and Q8_0 (its signed codes: |w| meets x with w's sign)
+// 8 scales as words in both 128-bit lanes (WordPicks' source)
+inline __m256i words_both(__m128i w8) { return _mm256_broadcastsi128_si256(w8); }
+
+// Q4_0/Q4_1 (x per 64 values) and Q8_0 (its signed codes: |w| meets x with w's sign), two
+// blocks a step (one x scale): the pair's sums in fp32 times d, then one fmadd by dx into
+// the row's accumulator, the offsets (+m or -8 d) of both blocks in one fmadd of 2 lanes.
+// (One fmadd a block into one accumulator, and a scalar offset chain, bounded the loop.)
 template <int M>
 inline void qdot_row_q4(QType t, const uint8_t* w, const XQ& xq, float* sums) {
   const bool one = t == QType::Q4_1, eight = t == QType::Q8_0;
   const int64_t in = xq.in, bs = eight ? 34 : one ? 20 : 18, qo = one ? 4 : 2;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[M];
-  float off[M];
+  __m128 off[M];
   for (int m = 0; m < M; ++m) {
     acc[m] = _mm256_setzero_ps();
-    off[m] = 0.0f;
+    off[m] = _mm_setzero_ps();
   }
-  for (int64_t b = 0; b < in / 32; ++b, w += bs) {
-    const float d = half_at(w);
-    __m256i q;
-    if (eight) {
-      q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-    } else {  // value i in byte i's low nibble, 16 + i in its high one
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + qo));
-      q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);
+  for (int64_t b = 0; b < in / 32; b += 2, w += 2 * bs) {
+    __m256i uq[2], q[2];
+    for (int k = 0; k < 2; ++k) {
+      const uint8_t* blk = w + k * bs;
+      if (eight) {
+        q[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        uq[k] = _mm256_abs_epi8(q[k]);
+      } else {  // value i in byte i's low nibble, 16 + i in its high one
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + qo));
+        uq[k] = q[k] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), nib);
+      }
     }
-    const __m256i uq = eight ? _mm256_abs_epi8(q) : q;
-    const float o = one ? half_at(w + 2) : eight ? 0.0f : -8.0f * d;
+    const float da = half_at(w), db = half_at(w + bs);
+    const __m256 vda = _mm256_set1_ps(da), vdb = _mm256_set1_ps(db);
+    const __m128 o2 = eight ? _mm_setzero_ps()
+                            : one ? _mm_setr_ps(half_at(w + 2), half_at(w + bs + 2), 0.0f, 0.0f)
+                                  : _mm_setr_ps(-8.0f * da, -8.0f * db, 0.0f, 0.0f);
     for (int m = 0; m < M; ++m) {
-      __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq.row(m) + 32 * b));
-      if (eight) xv = _mm256_sign_epi8(xv, q);
-      const __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(uq, xv), ones);
-      const float dx = xq.dx[m * (in / 64) + b / 2];
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * dx), acc[m]);
-      if (!eight) off[m] += o * xq.sums32[m * (in / 32) + b];
+      const int8_t* x = xq.row(m) + 32 * b;
+      __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+      __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
+      if (eight) {
+        xa = _mm256_sign_epi8(xa, q[0]);
+        xb = _mm256_sign_epi8(xb, q[1]);
+      }
+      const __m256i ia = _mm256_madd_epi16(_mm256_maddubs_epi16(uq[0], xa), ones);
+      const __m256i ib = _mm256_madd_epi16(_mm256_maddubs_epi16(uq[1], xb), ones);
+      const __m256 pair = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ib), vdb,
+                                          _mm256_mul_ps(_mm256_cvtepi32_ps(ia), vda));
+      acc[m] = _mm256_fmadd_ps(pair, _mm256_set1_ps(xq.dx[m * (in / 64) + b / 2]), acc[m]);
+      if (!eight)
+        off[m] = _mm_fmadd_ps(o2, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(
+                                 xq.sums32.data() + m * (in / 32) + b))), off[m]);
     }
   }
-  for (int m = 0; m < M; ++m) sums[m] = hsum_ps(acc[m]) + off[m];
+  for (int m = 0; m < M; ++m) {
+    const __m128 o = _mm_add_ss(off[m], _mm_movehdup_ps(off[m]));
+    sums[m] = hsum_ps(acc[m]) + _mm_cvtss_f32(o);
+  }
 }
 
 template <int M>
@@ -723,6 +765,7 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
   const __m256i nib = _mm256_set1_epi8(0x0F);
   __m256 acc[M], offv[M];
   for (int m = 0; m < M; ++m) acc[m] = offv[m] = _mm256_setzero_ps();
+  const WordPicks& picks = word_picks();
   if (t == QType::Q4_K || t == QType::Q5_K) {
     const bool five = t == QType::Q5_K;
     for (int64_t b = 0; b < nb; ++b, w += five ? 176 : 144) {
@@ -730,6 +773,7 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
       uint64_t sc8, mn8;
       k4_scales_all(w + 4, sc8, mn8);
       const __m256 mins = k4_times(dmin, mn8);
+      const __m256i s16 = words_both(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(int64_t(sc8))));
       const uint8_t* qs = w + (five ? 48 : 16);
       const __m256i qh = five ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16))
                               : _mm256_setzero_si256();
@@ -744,8 +788,8 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
           lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
           hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
         }
-        const __m256i s_lo = _mm256_set1_epi16(int16_t((sc8 >> (16 * c)) & 0xFF));
-        const __m256i s_hi = _mm256_set1_epi16(int16_t((sc8 >> (16 * c + 8)) & 0xFF));
+        const __m256i s_lo = _mm256_shuffle_epi8(s16, picks.word[2 * c]);
+        const __m256i s_hi = _mm256_shuffle_epi8(s16, picks.word[2 * c + 1]);
         for (int m = 0; m < M; ++m) {
           const int8_t* x = xq.row(m) + b * 256 + 64 * c;
           const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
@@ -787,9 +831,9 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(la, 4), nib), _mm256_and_si256(hv, top)),
           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lb, 4), nib),
                           _mm256_and_si256(_mm256_srli_epi16(hv, 2), top))};
-      const int8_t* s = sc + 8 * h;
+      const __m256i s16 = words_both(_mm_cvtepi8_epi16(h ? _mm_srli_si128(s8, 8) : s8));
       __m256i sv[4];
-      for (int j = 0; j < 4; ++j) sv[j] = scale_pair(s[2 * j], s[2 * j + 1]);
+      for (int j = 0; j < 4; ++j) sv[j] = _mm256_shuffle_epi8(s16, picks.pair[j]);
       for (int m = 0; m < M; ++m) {
         const int8_t* x = xq.row(m) + b * 256 + 128 * h;
         for (int j = 0; j < 4; ++j)
