@@ -132,14 +132,19 @@ class _Converter:
         atexit.register(self.close)
 
     @classmethod
-    def run(cls, script: Path, src: Path, out: Path, outtype: str) -> tuple[int, str]:
-        """(exit status, what it printed on failure) of one conversion."""
+    def run(cls, script: Path, src: Path, out: Path, outtype: str,
+            timeout: float = 600) -> tuple[int, str]:
+        """(exit status, what it printed on failure) of one conversion (killed, and the
+        process replaced at the next, after `timeout` seconds)."""
         with cls._lock:
             conv = cls._running.get(script)
             if conv is None or conv.proc.poll() is not None:
                 conv = cls._running[script] = cls(script)
             start = conv.log.tell()
             assert conv.proc.stdin is not None and conv.proc.stdout is not None
+            # a conversion past the deadline is killed: its readline then ends
+            watchdog = threading.Timer(timeout, conv.proc.kill)
+            watchdog.start()
             try:
                 conv.proc.stdin.write(json.dumps({"src": str(src), "out": str(out),
                                                   "outtype": outtype}) + "\n")
@@ -148,6 +153,8 @@ class _Converter:
                     pass
             except OSError:
                 line = ""
+            finally:
+                watchdog.cancel()
             conv.log.seek(start)
             printed = conv.log.read()
             conv.log.seek(0, io.SEEK_END)
