@@ -18,6 +18,7 @@ qwen2 model with Qwen2's own pre-tokenizer, whose hash the converter does not kn
 from __future__ import annotations
 
 import atexit
+import fcntl
 import importlib.util
 import io
 import json
@@ -113,7 +114,8 @@ for line in sys.stdin:
         status = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
         status, error = 1, traceback.format_exc()
-    sys.stdout.write({_MARK!r} + json.dumps({{"status": status, "error": error}}) + "\\n")
+    # (on a line of its own, whatever the converter printed last)
+    sys.stdout.write("\\n" + {_MARK!r} + json.dumps({{"status": status, "error": error}}) + "\\n")
     sys.stdout.flush()
 """
 
@@ -126,6 +128,9 @@ class _Converter:
 
     def __init__(self, script: Path) -> None:
         self.log = tempfile.TemporaryFile(mode="w+")  # its stderr: a failure's tail
+        # appended to wherever the reads below leave the offset it shares with the child
+        fcntl.fcntl(self.log.fileno(), fcntl.F_SETFL,
+                    fcntl.fcntl(self.log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
         self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER, str(script)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True)
@@ -139,6 +144,8 @@ class _Converter:
         with cls._lock:
             conv = cls._running.get(script)
             if conv is None or conv.proc.poll() is not None:
+                if conv is not None:
+                    conv.close()
                 conv = cls._running[script] = cls(script)
             start = conv.log.tell()
             assert conv.proc.stdin is not None and conv.proc.stdout is not None
@@ -153,6 +160,9 @@ class _Converter:
                     pass
             except OSError:
                 line = ""
+            except BaseException:  # the job's answer would be read as the next one's
+                conv.proc.kill()
+                raise
             finally:
                 watchdog.cancel()
             conv.log.seek(start)
@@ -171,6 +181,8 @@ class _Converter:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         self.log.close()
 
 

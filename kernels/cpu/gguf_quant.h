@@ -747,7 +747,7 @@ inline void qdot_row_q4(QType t, const uint8_t* w, const XQ& xq, float* sums) {
                                           _mm256_mul_ps(_mm256_cvtepi32_ps(ia), vda));
       acc[m] = _mm256_fmadd_ps(pair, _mm256_set1_ps(xq.dx[m * (in / 64) + b / 2]), acc[m]);
       if (!eight)
-        off[m] = _mm_fmadd_ps(o2, _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(
+        off[m] = _mm_fmadd_ps(o2, _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
                                  xq.sums32.data() + m * (in / 32) + b))), off[m]);
     }
   }
