@@ -4,8 +4,9 @@ The converter (`convert_hf_to_gguf.py` with its `conversion/` package and the `g
 was written against) ships inside the llama-cpp-python sdist on the package index; only
 those files are taken from it (nothing is compiled) and kept under
 `$TIDEWIRE_CACHE/llama.cpp-converter/<version>`, so a machine fetches them once.
-`convert` runs it in a subprocess of this interpreter, which needs sentencepiece (the
-converter imports it for every Llama-family vocabulary).
+`convert` runs it in a subprocess of this interpreter, one kept for the session
+(`_Converter`), which needs sentencepiece (the converter imports it for every
+Llama-family vocabulary).
 
 The converter writes a vocabulary from the model directory's tokenizer: `spm_tokenizer`
 trains a tiny SentencePiece model (the TINY configs' 320 tokens), which every family but
