@@ -437,9 +437,12 @@ struct XQ {
   std::vector<float> dx;     // [rows, in / group]
   std::vector<float> sums;   // [rows, in / 16]: dx * (sum of x_q over 16 values)
   std::vector<float> sums32; // [rows, in / 32]
+  // [rows, in / 4] where asked (signed_w): -128 times the sum of each 4 x_q, the start of
+  // a Q8_0 dot product's vpdpbusd (its codes + 128 meet x_q: this takes the 128 x_q back)
+  std::vector<int32_t> neg4;
   int64_t in = 0, group = 256;
   // group: the values that share a scale (256 for the K types, 64 for Q4_0/Q4_1/Q8_0)
-  void fill(const float* xf, int rows, int64_t n, int64_t g = 256) {
+  void fill(const float* xf, int rows, int64_t n, int64_t g = 256, bool signed_w = false) {
     in = n;
     group = g;
     const int64_t ng = in / group;
@@ -447,9 +450,10 @@ struct XQ {
     dx.resize(rows * ng);
     sums.resize(rows * (in / 16));
     sums32.resize(rows * (in / 32));
+    neg4.resize(signed_w ? rows * (in / 4) : 0);
     // (16 rows a task: the small kernel's 1-8 rows stay on the calling thread)
     at::parallel_for(0, rows, 16, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m)
+      for (int64_t m = m0; m < m1; ++m) {
         for (int64_t b = 0; b < ng; ++b) {
           const float* x = xf + m * in + b * group;
           int8_t* qb = q.data() + m * in + b * group;
@@ -458,8 +462,15 @@ struct XQ {
           for (int64_t k = 0; k < group / 32; ++k)
             sums32[m * (in / 32) + b * (group / 32) + k] = sb[2 * k] + sb[2 * k + 1];
         }
+        if (signed_w)
+          for (int64_t i = 0; i < in; i += 4) {
+            const int8_t* v = q.data() + m * in + i;
+            neg4[m * (in / 4) + i / 4] = -128 * (int32_t(v[0]) + v[1] + v[2] + v[3]);
+          }
+      }
     });
   }
+  const int32_t* neg4_row(int m) const { return neg4.data() + m * (in / 4); }
   const int8_t* row(int m) const { return q.data() + m * in; }
 
  private:
@@ -540,46 +551,63 @@ inline const ScalePicks& scale_picks() {
   return picks;
 }
 
-// qdot_row_q8 for Q4_0/Q4_1 against x quantized per 64 values: two blocks (64 values)
-// a step, their nibbles spread into one vector of 64 codes in value order, `vpdpbusd`
-// with x's bytes to 32-bit sums, lanes 0-7 the first block's and 8-15 the second's, scaled by d times dx in fp32; the offsets (+m, or -8 d) times dx sum(x_q) of
-// each block.
+// qdot_row_q8 for Q4_0/Q4_1/Q8_0 against x quantized per 64 values: two blocks (64
+// values) a step in one vector of 64 codes in value order, `vpdpbusd` with x's bytes to
+// 32-bit sums (lanes 0-7 the first block's, 8-15 the second's) scaled by d times dx in fp32.
+// Q4_0/Q4_1 spread their nibbles; Q8_0's signed codes become unsigned by flipping the top
+// bit (q + 128), and the sums start from -128 times x_q's sums of 4 (XQ::neg4) to take the
+// 128 x_q back. The offsets (+m or -8 d) times dx sum(x_q) of both blocks in one 2-lane
+// fmadd a row (a scalar chain of adds bounded the loop).
 template <int M>
 inline void qdot_row_q4(QType t, const uint8_t* w, const XQ& xq, float* sums) {
-  const bool one = t == QType::Q4_1;
-  const int64_t in = xq.in, bs = one ? 20 : 18, qo = one ? 4 : 2;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const bool one = t == QType::Q4_1, eight = t == QType::Q8_0;
+  const int64_t in = xq.in, bs = eight ? 34 : one ? 20 : 18, qo = one ? 4 : 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(char(0x80));
   __m512 acc[M];
-  float off[M];
+  __m128 off[M];
   for (int m = 0; m < M; ++m) {
     acc[m] = _mm512_setzero_ps();
-    off[m] = 0.0f;
+    off[m] = _mm_setzero_ps();
   }
   for (int64_t b = 0; b < in / 32; b += 2, w += 2 * bs) {
-    const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + qo));
-    const __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + bs + qo));
-    __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(qa), qa, 1);
-    v = _mm512_inserti32x4(_mm512_inserti32x4(v, qb, 2), qb, 3);
-    // 128-bit lanes 1 and 3 (16-bit lanes 8-15, 24-31): the high nibbles, values 16-31
-    const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4), nib);
+    __m512i q;
+    if (eight) {
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+      const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + bs + 2));
+      q = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(qa), qb, 1), top);
+    } else {
+      const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + qo));
+      const __m128i qb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + bs + qo));
+      __m512i v = _mm512_inserti32x4(_mm512_castsi128_si512(qa), qa, 1);
+      v = _mm512_inserti32x4(_mm512_inserti32x4(v, qb, 2), qb, 3);
+      // 128-bit lanes 1 and 3 (16-bit lanes 8-15, 24-31): the high nibbles, values 16-31
+      q = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4), nib);
+    }
     const float da = half_at(w), db = half_at(w + bs);
     const __m512 wd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(da), _mm512_set1_ps(db));
-    const float oa = one ? half_at(w + 2) : -8.0f * da, ob = one ? half_at(w + bs + 2) : -8.0f * db;
+    // the offsets: Q4_1 +m, Q4_0 -8 d (Q8_0's come in with neg4)
+    const __m128 o2 = one ? _mm_setr_ps(half_at(w + 2), half_at(w + bs + 2), 0.0f, 0.0f)
+                          : _mm_setr_ps(-8.0f * da, -8.0f * db, 0.0f, 0.0f);
     for (int m = 0; m < M; ++m) {
       const __m512i xv = _mm512_loadu_si512(xq.row(m) + 32 * b);
-      const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+      const __m512i start = eight ? _mm512_loadu_si512(xq.neg4_row(m) + 8 * b) : _mm512_setzero_si512();
+      const __m512i isum = _mm512_dpbusd_epi32(start, q, xv);
       const float dx = xq.dx[m * (in / 64) + b / 2];
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(wd, _mm512_set1_ps(dx)), acc[m]);
-      const float* s32 = xq.sums32.data() + m * (in / 32) + b;
-      off[m] += oa * s32[0] + ob * s32[1];
+      if (!eight)
+        off[m] = _mm_fmadd_ps(o2, _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
+                                 xq.sums32.data() + m * (in / 32) + b))), off[m]);
     }
   }
-  for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(acc[m]) + off[m];
+  for (int m = 0; m < M; ++m) {
+    const __m128 o = _mm_add_ss(off[m], _mm_movehdup_ps(off[m]));
+    sums[m] = _mm512_reduce_add_ps(acc[m]) + _mm_cvtss_f32(o);
+  }
 }
 
 template <int M>
 inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
-  if (t == QType::Q4_0 || t == QType::Q4_1) return qdot_row_q4<M>(t, w, xq, sums);
+  if (t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q8_0) return qdot_row_q4<M>(t, w, xq, sums);
   const int64_t in = xq.in, nb = in / 256;
   __m512 acc[M];
   __m512 offv[M];  // the offsets: Q6_K 16 groups a lane set, Q4_K/Q5_K 8 (upper lanes 0)
@@ -657,15 +685,19 @@ inline void qdot_row_q8(QType t, const uint8_t* w, const XQ& xq, float* sums) {
   for (int m = 0; m < M; ++m) sums[m] = _mm512_reduce_add_ps(_mm512_sub_ps(acc[m], offv[m]));
 }
 
-// Whether qlinear_small takes type t through qdot_row_q8 for rows of `in` values (Q4_0 and
-// Q4_1 take x quantized per 64 values: rows of a multiple of 64).
+// Whether qlinear_small takes type t through qdot_row_q8 for rows of `in` values (Q4_0,
+// Q4_1 and Q8_0 take x quantized per 64 values: rows of a multiple of 64).
 inline bool qreads_q8(QType t, int64_t in) {
-  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K ||
-         ((t == QType::Q4_0 || t == QType::Q4_1) && in % 64 == 0);
+  return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K || in % 64 == 0;
 }
 
 // The values x is quantized by for type t (qdot_row_q8).
-inline int64_t q8_group(QType t) { return t == QType::Q4_0 || t == QType::Q4_1 ? 64 : 256; }
+inline int64_t q8_group(QType t) {
+  return t == QType::Q4_0 || t == QType::Q4_1 || t == QType::Q8_0 ? 64 : 256;
+}
+
+// Whether qdot_row_q8 wants XQ::neg4 for type t (Q8_0's signed codes).
+inline bool q8_signed(QType t) { return t == QType::Q8_0; }
 #elif defined(__AVX2__)
 // The int8 dot products on AVX2 (no VNNI): 32 values a vector, vpmaddubsw (code x x_q over
 // pairs, 16 bits) then vpmaddwd by the group's scale (or by 1) into 32-bit sums.
@@ -865,6 +897,9 @@ inline int64_t q8_group(QType t) {
 #else
 inline bool qreads_q8(QType, int64_t) { return false; }
 inline int64_t q8_group(QType) { return 256; }
+#endif
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+inline bool q8_signed(QType) { return false; }  // (AVX2 meets x with the codes' signs)
 #endif
 
 // Whether qlinear_small reads bf16 x as it is (qdot_row_bf16) for type t.
@@ -1343,7 +1378,7 @@ inline void qlinear_tiled(c10::BFloat16* y, int64_t y_stride, const c10::BFloat1
 
 #if !defined(__AVX2__)
 struct XQ {  // (CPUs without AVX2 never quantize x)
-  void fill(const float*, int, int64_t, int64_t) {}
+  void fill(const float*, int, int64_t, int64_t, bool = false) {}
 };
 #endif
 
@@ -1358,7 +1393,7 @@ struct QPrepared {
   void fill(QType t, const float* xf, int rows, int64_t in, bool int8_x) {
     q8 = int8_x && qreads_q8(t, in);
     if (q8)
-      xq.fill(xf, rows, in, q8_group(t));
+      xq.fill(xf, rows, in, q8_group(t), q8_signed(t));
     else
       xs.fill(xf, rows, in);
   }
