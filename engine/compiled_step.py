@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import PagedMetadata
-from engine.gguf_weights import QuantWeight
+from engine.gguf_weights import PackedWeight, QuantWeight
 from engine.models.decoder import DecoderModel
 from engine.models.layers import GGUFLinear, Int8Linear, Linear
 
@@ -31,7 +31,7 @@ def _weight(lin: object) -> tuple[list[torch.Tensor], list[int], torch.Tensor | 
     if isinstance(lin, Int8Linear):
         return [lin.q], [0], lin.scale
     if isinstance(lin, GGUFLinear):  # blocks as stored, a part per block type
-        assert all(isinstance(p, QuantWeight) for p in lin.parts)  # (reads: only then)
+        assert all(isinstance(p, QuantWeight | PackedWeight) for p in lin.parts)
         return [p.data for p in lin.parts], [p.qtype for p in lin.parts], None
     # Platform.plan chooses this step only for weights it can read
     assert isinstance(lin, Linear), f"the compiled step cannot read a {type(lin).__name__}"
@@ -48,8 +48,8 @@ def _matmuls(model: DecoderModel) -> list[Any]:
 
 
 def _readable(lin: object) -> bool:
-    if isinstance(lin, GGUFLinear):
-        return all(isinstance(p, QuantWeight) for p in lin.parts)
+    if isinstance(lin, GGUFLinear):  # (reads blocks and packed tiles: only those)
+        return all(isinstance(p, QuantWeight | PackedWeight) for p in lin.parts)
     return isinstance(lin, Int8Linear) or (isinstance(lin, Linear)
                                            and lin.plain_weight is not None)
 

@@ -16,7 +16,9 @@ block rows move as they are).
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +75,67 @@ class QuantWeight:
             return QuantWeight(self.qtype, self.data.as_strided((rows, width), (width, 1)),
                                self.cols, mapped=True)
         return None
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A Q4_K matrix repacked once as tiles of 16 rows for the AVX-512 VNNI kernels
+    (kernels/cpu/gguf_packed.h; cpu_ops.gguf_packed_linear multiplies it for any number
+    of rows): `data` uint8 [rows / 16, cols / 256, 2368], 2.8% more bytes than the
+    blocks (the six-bit scales as bytes)."""
+
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def qtype(self) -> int:  # the compiled decode step's name for it
+        from kernels import cpu_ops
+
+        return cpu_ops.PACKED_Q4_K
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0]) * 16
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def unpacked(self) -> QuantWeight:
+        from kernels import cpu_ops
+
+        return QuantWeight(Q4_K, cpu_ops.gguf_unpack(self.data, Q4_K), self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.unpacked().dequantize(dtype)
+
+    @staticmethod
+    def takes(w: Any) -> bool:
+        """Whether `w` can be packed here: a Q4_K QuantWeight of whole tiles, on a CPU
+        whose kernels multiply packed tiles (AVX-512 VNNI); TIDEWIRE_GGUF_PACK=0: never."""
+        from kernels import cpu_ops
+
+        return (isinstance(w, QuantWeight) and w.qtype == Q4_K and w.rows % 16 == 0
+                and w.cols % 256 == 0 and os.environ.get("TIDEWIRE_GGUF_PACK", "1") != "0"
+                and cpu_ops.available() and cpu_ops.gguf_packs(Q4_K))
+
+    @classmethod
+    def of(cls, w: QuantWeight) -> PackedWeight:
+        """`w` packed; a view of the mapped file gives its pages back (they would count
+        twice beside the packed copy)."""
+        from kernels import cpu_ops
+
+        packed = cls(cpu_ops.gguf_pack(w.data, Q4_K), w.cols)
+        if w.mapped:
+            _release_range(w.data.data_ptr(), w.nbytes)
+        return packed
+
+
+Q4_K = 12
 
 
 def kernel_types() -> frozenset[int]:
@@ -164,6 +227,16 @@ def _release(mapped: np.memmap, start: int, size: int) -> None:
     a, b = -(-start // page) * page, (start + size) // page * page
     if b > a:
         mapped._mmap.madvise(mmap.MADV_DONTNEED, a, b - a)  # type: ignore[attr-defined]
+
+
+def _release_range(address: int, size: int) -> None:
+    """_release for the bytes at `address` of a read-only map of the file (the pages of a
+    matrix that was repacked; they read back from the file if touched)."""
+    page = mmap.PAGESIZE
+    a, b = -(-address // page) * page, (address + size) // page * page
+    if b > a:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), mmap.MADV_DONTNEED)
 
 
 def _named(arch: str, name: str, w: QuantWeight) -> dict[str, QuantWeight]:

@@ -252,7 +252,7 @@ def test_a_gguf_file_runs_as_stored_by_default_where_it_can(gguf_files, family_m
 
 
 def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_path: Path,
-                                                          loaded_dir) -> None:
+                                                          loaded_dir, monkeypatch) -> None:
     """A Llama file in the block types of llama.cpp's Q4_K_M and neighbours (random blocks
     in place of a converter-written f32 file's matrices): q Q4_K, k Q5_K, v Q6_K, o Q4_0,
     gate Q4_K with up Q6_K (one fused projection of two types), down Q5_K, the tied
@@ -290,6 +290,23 @@ def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_p
         assert run.engine.runner.model.plan.int8_activations
     same = sum(a == b for x, y in zip(outs[False], outs[True]) for a, b in zip(x, y))
     assert same >= 0.9 * sum(len(x) for x in outs[True])
+    from engine.gguf_weights import PackedWeight
+    from kernels import cpu_ops
+
+    if not cpu_ops.gguf_packs(12) or cpu_ops.amx():
+        return
+    # on CPUs with AVX-512 VNNI (no AMX) the Q4_K matrices run as packed tiles (q, and
+    # gate of the fused gate/up), the products as the blocks' kernels give them
+    packed = run.engine.runner.model.layers[0]
+    assert isinstance(packed.mlp.gate_up.parts[0], PackedWeight)
+    assert sum(isinstance(p, PackedWeight) for p in packed.qkv.parts) == 1
+    monkeypatch.setenv("TIDEWIRE_GGUF_PACK", "0")
+    blocks = LLM(model=str(path), quantization="gguf")
+    assert not isinstance(blocks.engine.runner.model.layers[0].mlp.gate_up.parts[0],
+                          PackedWeight)
+    unpacked = [o.token_ids for o in blocks.generate(prompts, GREEDY)]
+    same = sum(a == b for x, y in zip(unpacked, outs[False]) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(len(x) for x in unpacked)
 
 
 def test_gguf_as_stored_refuses_what_it_cannot_run(tmp_path: Path) -> None:

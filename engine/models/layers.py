@@ -142,8 +142,8 @@ class GGUFLinear:
     _tiles = threading.local()  # one tile buffer a thread, shared by every GGUFLinear
 
     def __init__(self, parts: list[Any], bias: torch.Tensor | None, dtype: torch.dtype,
-                 int8_x: bool | None = None) -> None:
-        from engine.gguf_weights import QuantWeight
+                 int8_x: bool | None = None, pack: bool = True) -> None:
+        from engine.gguf_weights import PackedWeight, QuantWeight
 
         merged: list[Any] = []
         for p in parts:  # rows of one block type join into one matrix where that is free
@@ -154,16 +154,22 @@ class GGUFLinear:
                 merged[-1] = joined
             else:
                 merged.append(p if isinstance(p, QuantWeight) else p.to(dtype).contiguous())
-        self.parts = merged
         self.bias, self.dtype = bias, dtype
         # the small-batch kernel's x in int8 (ModelPlan.int8_activations; None: in bf16)
         self.int8_x = dtype == torch.bfloat16 if int8_x is None else int8_x
+        # Q4_K parts repacked as tiles of 16 rows where the CPU multiplies them
+        # (PackedWeight: every batch size, x in int8), but not where AMX runs (its tiled
+        # kernel reads the blocks) nor for a matrix an embedding also reads (pack=False)
+        if pack and self.int8_x and dtype in (torch.bfloat16, torch.float32) and \
+                cpu_ops.available() and not cpu_ops.amx():
+            merged = [PackedWeight.of(p) if PackedWeight.takes(p) else p for p in merged]
+        self.parts = merged
         self.in_features = int(parts[0].shape[1])
         self.out_features = sum(int(p.shape[0]) for p in parts)
         self._gemm_by_part: dict[tuple[int, bool], bool] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from engine.gguf_weights import QuantWeight
+        from engine.gguf_weights import PackedWeight, QuantWeight
 
         x = x.contiguous()
         out = torch.empty((x.shape[0], self.out_features), dtype=x.dtype)
@@ -174,7 +180,9 @@ class GGUFLinear:
         for p in self.parts:
             rows = int(p.shape[0])
             dest = out[:, o : o + rows]
-            if not isinstance(p, QuantWeight):
+            if isinstance(p, PackedWeight):
+                cpu_ops.gguf_packed_linear(x, p.data, None, out=dest)
+            elif not isinstance(p, QuantWeight):
                 dest.copy_(F.linear(x, p))
             elif tiled and n > self.small_limit(p) and self._gemm(p):
                 cpu_ops.gguf_linear_tiled(x, p.data, p.qtype, None, out=dest, int8_x=True)
@@ -202,7 +210,10 @@ class GGUFLinear:
         return got
 
     def small_limit(self, p: Any) -> int:
-        """The most rows of bf16 x the small-batch kernel takes for QuantWeight part p."""
+        """The most rows of bf16 x the small-batch kernel takes for QuantWeight part p
+        (a PackedWeight: every batch runs on its kernels; the compiled step's 8)."""
+        if not hasattr(p, "qtype") or p.qtype not in self.small_rows:
+            return 8
         return self.gemm_rows[p.qtype] if self._gemm(p) else self.small_rows[p.qtype]
 
     def _dense(self, x: torch.Tensor, p: Any, dest: torch.Tensor) -> None:

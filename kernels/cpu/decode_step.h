@@ -17,6 +17,7 @@
 
 #include "attention.h"
 #include "elementwise.h"
+#include "gguf_packed.h"
 #include "gguf_quant.h"
 #include "linear.h"
 
@@ -28,6 +29,7 @@ struct StepQPart {
   const uint8_t* w;
   QType t;
   int64_t row_bytes, out, col0;
+  bool packed = false;  // Q4_K tiles of 16 rows (gguf_packed.h); row_bytes: a tile's 16th
 };
 
 // One matmul's weight: x's dtype or int8 (with per-channel scales), or GGUF parts (`q`
@@ -78,6 +80,16 @@ inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, floa
   if (!L.q.empty()) {
     to_fp32(xf, x, L.in, rows, L.in);
     for (const StepQPart& P : L.q) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (P.packed) {  // x always in int8 (the model packs only where int8_x holds)
+        qp.q8 = true;
+        qp.xq.fill(xf, rows, L.in, 256);
+        split(P.out / kPackRows, tid, nt, 1, o0, o1);
+        packed_q4k_range(y + P.col0, L.out, qp.xq, rows, P.w, L.in,
+                         L.bias ? L.bias + P.col0 : nullptr, o0, o1);
+        continue;
+      }
+#endif
       qp.fill(P.t, xf, rows, L.in, int8_x);
       split(P.out, tid, nt, 1, o0, o1);
       qlinear_range_any(y + P.col0, L.out, x, L.in, xf, rows, qp, P.t, P.w, P.row_bytes, L.in,
@@ -104,7 +116,7 @@ template <typename T>
 inline void prefetch_slice(const StepLinear<T>& L, int tid, int nt) {
   int64_t o0, o1;
   const bool q = !L.q.empty();  // GGUF: the first part's slice
-  split(q ? L.q[0].out : L.out, tid, nt, 1, o0, o1);
+  split(q ? L.q[0].out : L.out, tid, nt, q && L.q[0].packed ? kPackRows : 1, o0, o1);
   const int64_t row = q ? L.q[0].row_bytes : L.in * (L.int8 ? 1 : int64_t(sizeof(T)));
   const char* p = static_cast<const char*>(q ? L.q[0].w : L.w) + o0 * row;
   const int64_t n = std::min<int64_t>(kLinearAheadBytes, (o1 - o0) * row);
