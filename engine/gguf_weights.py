@@ -79,11 +79,12 @@ class QuantWeight:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A Q4_K matrix repacked once as tiles of 16 rows for the AVX-512 VNNI kernels
-    (kernels/cpu/gguf_packed.h; cpu_ops.gguf_packed_linear multiplies it for any number
-    of rows): `data` uint8 [rows / 16, cols / 256, 2368], 2.8% more bytes than the
-    blocks (the six-bit scales as bytes)."""
+    """A Q4_K or Q6_K matrix repacked once as tiles of 16 rows for the AVX-512 VNNI
+    kernels (kernels/cpu/gguf_packed.h; cpu_ops.gguf_packed_linear multiplies it for any
+    number of rows): `data` uint8 [rows / 16, cols / 256, tile bytes]. Q6_K's tiles hold
+    as many bytes as its blocks, Q4_K's 2.8% more (the six-bit scales as bytes)."""
 
+    base: int  # the block type it was packed from (12 or 14)
     data: torch.Tensor
     cols: int
 
@@ -91,7 +92,7 @@ class PackedWeight:
     def qtype(self) -> int:  # the compiled decode step's name for it
         from kernels import cpu_ops
 
-        return cpu_ops.PACKED_Q4_K
+        return cpu_ops.PACKED + self.base
 
     @property
     def rows(self) -> int:
@@ -108,34 +109,35 @@ class PackedWeight:
     def unpacked(self) -> QuantWeight:
         from kernels import cpu_ops
 
-        return QuantWeight(Q4_K, cpu_ops.gguf_unpack(self.data, Q4_K), self.cols)
+        return QuantWeight(self.base, cpu_ops.gguf_unpack(self.data, self.base), self.cols)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.unpacked().dequantize(dtype)
 
     @staticmethod
     def takes(w: Any) -> bool:
-        """Whether `w` can be packed here: a Q4_K QuantWeight of whole tiles, on a CPU
-        whose kernels multiply packed tiles (AVX-512 VNNI); TIDEWIRE_GGUF_PACK=0: never."""
+        """Whether `w` can be packed here: a Q4_K or Q6_K QuantWeight of whole tiles, on a
+        CPU whose kernels multiply packed tiles (AVX-512 VNNI); TIDEWIRE_GGUF_PACK=0:
+        never."""
         from kernels import cpu_ops
 
-        return (isinstance(w, QuantWeight) and w.qtype == Q4_K and w.rows % 16 == 0
+        return (isinstance(w, QuantWeight) and w.qtype in PACKABLE and w.rows % 16 == 0
                 and w.cols % 256 == 0 and os.environ.get("TIDEWIRE_GGUF_PACK", "1") != "0"
-                and cpu_ops.available() and cpu_ops.gguf_packs(Q4_K))
+                and cpu_ops.available() and cpu_ops.gguf_packs(w.qtype))
 
     @classmethod
     def of(cls, w: QuantWeight) -> PackedWeight:
         """`w` packed; a view of the mapped file gives its pages back (they would count
-        twice beside the packed copy)."""
+        twice beside the packed copy, and read back from the file if touched)."""
         from kernels import cpu_ops
 
-        packed = cls(cpu_ops.gguf_pack(w.data, Q4_K), w.cols)
+        packed = cls(w.qtype, cpu_ops.gguf_pack(w.data, w.qtype), w.cols)
         if w.mapped:
             _release_range(w.data.data_ptr(), w.nbytes)
         return packed
 
 
-Q4_K = 12
+PACKABLE = (12, 14)  # Q4_K, Q6_K
 
 
 def kernel_types() -> frozenset[int]:

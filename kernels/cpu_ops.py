@@ -213,21 +213,23 @@ def gguf_linear_small(x: torch.Tensor, weight: torch.Tensor, qtype: int,
     return out
 
 
-PACKED_Q4_K = 256 + 12  # gguf_pack's Q4_K tiles, as decode_step's qtypes name them
-PACK_TILE_BYTES = 2368
+PACKED = 256  # + the block type: gguf_pack's tiles, as decode_step's qtypes name them
+PACK_TILE_BYTES = {12: 2368, 14: 3360}  # Q4_K, Q6_K
 
 
 def gguf_packs(qtype: int) -> bool:
-    """Whether gguf_pack takes `qtype` on this CPU: Q4_K on CPUs with AVX-512 VNNI
-    (kernels/cpu/gguf_packed.h)."""
+    """Whether gguf_pack takes `qtype` on this CPU: Q4_K and Q6_K on CPUs with AVX-512
+    VNNI (kernels/cpu/gguf_packed.h)."""
     return bool(torch.ops.tidewire.gguf_packs(qtype))
 
 
 def gguf_pack(weight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Q4_K rows uint8 [rows, row bytes] (rows a multiple of 16) repacked as tiles of 16
-    rows: uint8 [rows / 16, in / 256, 2368] (gguf_packed.h has the layout)."""
+    """Q4_K or Q6_K rows uint8 [rows, row bytes] (rows a multiple of 16) repacked as tiles
+    of 16 rows: uint8 [rows / 16, in / 256, PACK_TILE_BYTES[qtype]] (gguf_packed.h has
+    the layouts)."""
     rows, width = weight.shape
-    out = torch.empty((rows // 16, width // 144, PACK_TILE_BYTES), dtype=torch.uint8)
+    block = GGUF_BLOCKS[qtype][1]
+    out = torch.empty((rows // 16, width // block, PACK_TILE_BYTES[qtype]), dtype=torch.uint8)
     torch.ops.tidewire.gguf_pack(out, weight.contiguous(), qtype)
     return out
 
@@ -235,19 +237,20 @@ def gguf_pack(weight: torch.Tensor, qtype: int) -> torch.Tensor:
 def gguf_unpack(packed: torch.Tensor, qtype: int) -> torch.Tensor:
     """gguf_pack's inverse: the rows in the file's block layout again."""
     tiles, nb, _ = packed.shape
-    out = torch.empty((tiles * 16, nb * 144), dtype=torch.uint8)
+    out = torch.empty((tiles * 16, nb * GGUF_BLOCKS[qtype][1]), dtype=torch.uint8)
     torch.ops.tidewire.gguf_unpack(out, packed, qtype)
     return out
 
 
-def gguf_packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+def gguf_packed_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int,
+                       bias: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for any number of rows of x [rows, in] and W packed by gguf_pack;
-    x is quantized to int8 per 256 values as gguf_linear_small's int8_x does. `out`:
-    [rows, out], unit column stride (a column slice of a wider tensor will do)."""
+    """y = x W^T (+ bias) for any number of rows of x [rows, in] and W packed by gguf_pack
+    from `qtype` blocks; x is quantized to int8 per 256 values as gguf_linear_small's
+    int8_x does. `out`: [rows, out], unit column stride (a column slice will do)."""
     if out is None:
         out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=x.dtype)
-    torch.ops.tidewire.gguf_packed_linear(out, x, packed, bias)
+    torch.ops.tidewire.gguf_packed_linear(out, x, packed, qtype, bias)
     return out
 
 

@@ -295,11 +295,14 @@ def test_gguf_k_quants_as_stored_match_hf_on_their_values(converter: Path, tmp_p
 
     if not cpu_ops.gguf_packs(12) or cpu_ops.amx():
         return
-    # on CPUs with AVX-512 VNNI (no AMX) the Q4_K matrices run as packed tiles (q, and
-    # gate of the fused gate/up), the products as the blocks' kernels give them
-    packed = run.engine.runner.model.layers[0]
-    assert isinstance(packed.mlp.gate_up.parts[0], PackedWeight)
-    assert sum(isinstance(p, PackedWeight) for p in packed.qkv.parts) == 1
+    # on CPUs with AVX-512 VNNI (no AMX) the Q4_K and Q6_K matrices run as packed tiles
+    # (q and v; gate and up, of one fused projection), the products as the blocks'
+    # kernels give them; the tied Q6_K embedding is a view of the file: the LM head too
+    model = run.engine.runner.model
+    packed = model.layers[0]
+    assert all(isinstance(p, PackedWeight) for p in packed.mlp.gate_up.parts)
+    assert [isinstance(p, PackedWeight) for p in packed.qkv.parts] == [True, False, True]
+    assert isinstance(model.lm_head.parts[0], PackedWeight)
     monkeypatch.setenv("TIDEWIRE_GGUF_PACK", "0")
     blocks = LLM(model=str(path), quantization="gguf")
     assert not isinstance(blocks.engine.runner.model.layers[0].mlp.gate_up.parts[0],

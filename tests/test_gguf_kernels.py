@@ -179,12 +179,13 @@ def test_gguf_int8_gemm_equals_the_dequantized_matmul(qtype: int) -> None:
 
 
 packs = pytest.mark.skipif(not cpu_ops.gguf_packs(12),
-                           reason="packed Q4_K tiles need a CPU with AVX-512 VNNI")
+                           reason="packed tiles need a CPU with AVX-512 VNNI")
 
 
 @packs
-def test_packed_q4k_equals_the_dequantized_matmul() -> None:
-    """gguf_pack's tiles (kernels/cpu/gguf_packed.h) unpack to the same bytes, and
+@pytest.mark.parametrize("qtype", [12, 14], ids=lambda t: NAMES[t])
+def test_packed_tiles_equal_the_dequantized_matmul(qtype: int) -> None:
+    """gguf_pack's Q4_K and Q6_K tiles (kernels/cpu/gguf_packed.h) unpack to the same bytes, and
     gguf_packed_linear equals x quantized per 256 values times the dequantized W in fp32:
     its own kernel to 16 rows and for fp32 x (as the block kernel gives, to fp32
     rounding), the integer GEMM on the tiles past them (bf16 x), for 1-8, 13, 16, 17, 40, 300
@@ -192,25 +193,25 @@ def test_packed_q4k_equals_the_dequantized_matmul() -> None:
     empty half), with a bias and into a column slice."""
     g = torch.Generator().manual_seed(12)
     for out, cols in ((16, 256), (48, 768), (64, 512)):
-        blocks = random_blocks(12, out, cols, seed=out + cols)
+        blocks = random_blocks(qtype, out, cols, seed=out + cols + qtype)
         w = torch.from_numpy(blocks)
-        packed = cpu_ops.gguf_pack(w, 12)
-        assert packed.shape == (out // 16, cols // 256, cpu_ops.PACK_TILE_BYTES)
-        assert torch.equal(cpu_ops.gguf_unpack(packed, 12), w)
-        ref = dequantized(blocks, 12, cols)
+        packed = cpu_ops.gguf_pack(w, qtype)
+        assert packed.shape == (out // 16, cols // 256, cpu_ops.PACK_TILE_BYTES[qtype])
+        assert torch.equal(cpu_ops.gguf_unpack(packed, qtype), w)
+        ref = dequantized(blocks, qtype, cols)
         for dtype in (torch.float32, torch.bfloat16):
             bias = torch.randn(out, generator=g).to(dtype)
             for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 40, 300):
                 x = torch.randn(rows, cols, generator=g).to(dtype)
                 x[rows // 2] = 0.0
                 want = x_as_int8(x, 256) @ ref.T + bias.float()
-                got = cpu_ops.gguf_packed_linear(x, packed, bias).float()
+                got = cpu_ops.gguf_packed_linear(x, packed, qtype, bias).float()
                 # (1e-2: a value of x x 127 / max|x| that lies on a tie of the rounding
                 # may round the other way in torch; 300 random rows meet one)
                 torch.testing.assert_close(got, want, atol=1e-2 * want.abs().max().item(),
                                            rtol=1e-2)
                 if dtype == torch.float32:  # the blocks' own kernel, 8 rows at a time
-                    small = torch.cat([cpu_ops.gguf_linear_small(x[r : r + 8], w, 12, bias,
+                    small = torch.cat([cpu_ops.gguf_linear_small(x[r : r + 8], w, qtype, bias,
                                                                  int8_x=True)
                                        for r in range(0, rows, 8)])
                     torch.testing.assert_close(got, small, atol=1e-5 * want.abs().max().item(),
@@ -218,7 +219,7 @@ def test_packed_q4k_equals_the_dequantized_matmul() -> None:
         for rows in (3, 40):
             x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
             wide = torch.zeros(rows, out + 10, dtype=torch.bfloat16)
-            cpu_ops.gguf_packed_linear(x, packed, None, out=wide[:, 5 : 5 + out])
+            cpu_ops.gguf_packed_linear(x, packed, qtype, None, out=wide[:, 5 : 5 + out])
             assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
             want = x_as_int8(x, 256) @ ref.T
             torch.testing.assert_close(wide[:, 5 : 5 + out].float(), want,
@@ -227,8 +228,8 @@ def test_packed_q4k_equals_the_dequantized_matmul() -> None:
 
 @packs
 def test_gguf_linear_packs_q4k_parts_where_it_can(monkeypatch) -> None:
-    """GGUFLinear with x in int8 repacks its Q4_K parts of whole tiles (PackedWeight),
-    keeps the others in their blocks, and gives what the blocks give (to the rounding of
+    """GGUFLinear with x in int8 repacks its Q4_K and Q6_K parts of whole tiles
+    (PackedWeight), keeps the others in their blocks, and gives what the blocks give (to the rounding of
     bf16 outputs) for decode rows and batches; not with pack=False (a matrix an embedding
     reads), TIDEWIRE_GGUF_PACK=0, or where AMX runs."""
     from engine.gguf_weights import PackedWeight, QuantWeight
@@ -236,14 +237,15 @@ def test_gguf_linear_packs_q4k_parts_where_it_can(monkeypatch) -> None:
 
     cols = 512
     parts = [QuantWeight(t, torch.from_numpy(random_blocks(t, n, cols, seed=t)), cols)
-             for t, n in ((12, 32), (14, 16), (12, 24))]
+             for t, n in ((12, 32), (14, 16), (12, 24), (13, 16))]
     lin = GGUFLinear(parts, None, torch.bfloat16)
     plain = GGUFLinear(parts, None, torch.bfloat16, pack=False)
-    assert [type(p).__name__ for p in lin.parts] == ["PackedWeight", "QuantWeight",
-                                                     "QuantWeight"]
+    assert [type(p).__name__ for p in lin.parts] == ["PackedWeight", "PackedWeight",
+                                                     "QuantWeight", "QuantWeight"]
     assert all(isinstance(p, QuantWeight) for p in plain.parts)
     assert lin.parts[0].shape == (32, cols)
     assert torch.equal(lin.parts[0].dequantize(), parts[0].dequantize())
+    assert torch.equal(lin.parts[1].dequantize(), parts[1].dequantize())
     g = torch.Generator().manual_seed(3)
     for rows in (1, 4, 8, 40):
         x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)

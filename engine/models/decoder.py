@@ -169,8 +169,10 @@ class DecoderModel:
                bias: torch.Tensor | None = None) -> Linear | Int8Linear | GGUFLinear:
         """One matmul over the named weights stacked by rows (q/k/v, gate/up)."""
         if any(isinstance(w[n], QuantWeight) for n in names):
-            # (a matrix the embedding also reads stays in its blocks: GGUFLinear pack)
-            shared = any(w[n] is w.get(EMBED) for n in names)
+            # (a matrix the embedding also reads stays in its blocks where it is a copy:
+            # packing would hold it twice; a view of the mapped file may go)
+            shared = any(w[n] is w.get(EMBED) and not getattr(w[n], "mapped", False)
+                         for n in names)
             return GGUFLinear([w[n] for n in names], bias, self.dtype,
                               self.plan.int8_activations, pack=not shared)
         if self._int8:

@@ -157,9 +157,10 @@ class GGUFLinear:
         self.bias, self.dtype = bias, dtype
         # the small-batch kernel's x in int8 (ModelPlan.int8_activations; None: in bf16)
         self.int8_x = dtype == torch.bfloat16 if int8_x is None else int8_x
-        # Q4_K parts repacked as tiles of 16 rows where the CPU multiplies them
+        # Q4_K and Q6_K parts repacked as tiles of 16 rows where the CPU multiplies them
         # (PackedWeight: every batch size, x in int8), but not where AMX runs (its tiled
-        # kernel reads the blocks) nor for a matrix an embedding also reads (pack=False)
+        # kernel reads the blocks) nor for a matrix an embedding also reads in a copy of
+        # its own (pack=False; a view of the mapped file reads back from the file)
         if pack and self.int8_x and dtype in (torch.bfloat16, torch.float32) and \
                 cpu_ops.available() and not cpu_ops.amx():
             merged = [PackedWeight.of(p) if PackedWeight.takes(p) else p for p in merged]
@@ -181,7 +182,7 @@ class GGUFLinear:
             rows = int(p.shape[0])
             dest = out[:, o : o + rows]
             if isinstance(p, PackedWeight):
-                cpu_ops.gguf_packed_linear(x, p.data, None, out=dest)
+                cpu_ops.gguf_packed_linear(x, p.data, p.base, None, out=dest)
             elif not isinstance(p, QuantWeight):
                 dest.copy_(F.linear(x, p))
             elif tiled and n > self.small_limit(p) and self._gemm(p):

@@ -29,7 +29,7 @@ struct StepQPart {
   const uint8_t* w;
   QType t;
   int64_t row_bytes, out, col0;
-  bool packed = false;  // Q4_K tiles of 16 rows (gguf_packed.h); row_bytes: a tile's 16th
+  bool packed = false;  // tiles of 16 rows (gguf_packed.h); row_bytes: a tile's 16th
 };
 
 // One matmul's weight: x's dtype or int8 (with per-channel scales), or GGUF parts (`q`
@@ -85,8 +85,8 @@ inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, floa
         qp.q8 = true;
         qp.xq.fill(xf, rows, L.in, 256);
         split(P.out / kPackRows, tid, nt, 1, o0, o1);
-        packed_q4k_range(y + P.col0, L.out, qp.xq, rows, P.w, L.in,
-                         L.bias ? L.bias + P.col0 : nullptr, o0, o1);
+        packed_range(P.t, y + P.col0, L.out, qp.xq, rows, P.w, L.in,
+                     L.bias ? L.bias + P.col0 : nullptr, o0, o1);
         continue;
       }
 #endif

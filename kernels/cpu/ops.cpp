@@ -361,58 +361,64 @@ void gguf_linear_small(at::Tensor& out, const at::Tensor& x, const at::Tensor& w
     check(false, "dtype must be float32 or bfloat16");
 }
 
-// Whether gguf_pack takes type qtype on this CPU (Q4_K, AVX-512 VNNI: gguf_packed.h).
-bool gguf_packs(int64_t qtype) { return qtype == int64_t(QType::Q4_K) && packs_q4k(); }
+// Whether gguf_pack takes type qtype on this CPU (Q4_K, Q6_K; AVX-512 VNNI: gguf_packed.h).
+bool gguf_packs(int64_t qtype) { return qtype_known(qtype) && packs(QType(qtype)); }
 
-// out uint8 [rows / 16, in / 256, 2368] = w's Q4_K rows [rows, row bytes] as tiles.
+// out uint8 [rows / 16, in / 256, tile bytes] = w's Q4_K or Q6_K rows [rows, row bytes]
+// as tiles (gguf_packed.h).
 void gguf_pack(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
-  check(qtype == int64_t(QType::Q4_K), "gguf_pack takes Q4_K");
-  check(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(1) % 144 == 0 &&
+  check(qtype == int64_t(QType::Q4_K) || qtype == int64_t(QType::Q6_K), "gguf_pack takes Q4_K or Q6_K");
+  const QType t = QType(qtype);
+  const int64_t bb = qtype_info(t).block_bytes, tb = pack_tile_bytes(t);
+  check(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(1) % bb == 0 &&
             w.size(0) % kPackRows == 0,
-        "gguf_pack: w uint8 [rows (a multiple of 16), row bytes] of Q4_K blocks");
-  const int64_t tiles = w.size(0) / kPackRows, nb = w.size(1) / 144;
+        "gguf_pack: w uint8 [rows (a multiple of 16), row bytes] of whole blocks");
+  const int64_t tiles = w.size(0) / kPackRows, nb = w.size(1) / bb;
   check(out.dim() == 3 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-            out.size(0) == tiles && out.size(1) == nb && out.size(2) == kPackTileBytes,
-        "gguf_pack: out uint8 [rows / 16, in / 256, 2368]");
+            out.size(0) == tiles && out.size(1) == nb && out.size(2) == tb,
+        "gguf_pack: out uint8 [rows / 16, in / 256, tile bytes]");
   const uint8_t* src = w.const_data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t i = t0; i < t1; ++i)
       for (int64_t b = 0; b < nb; ++b)
-        pack_q4k_tile(src + t * kPackRows * row_bytes + b * 144, row_bytes,
-                      dst + (t * nb + b) * kPackTileBytes);
+        pack_tile(t, src + i * kPackRows * row_bytes + b * bb, row_bytes, dst + (i * nb + b) * tb);
   });
 }
 
-// gguf_pack's inverse: out uint8 [rows, row bytes] of Q4_K blocks from the tiles.
+// gguf_pack's inverse: out uint8 [rows, row bytes] of blocks from the tiles.
 void gguf_unpack(at::Tensor& out, const at::Tensor& packed, int64_t qtype) {
-  check(qtype == int64_t(QType::Q4_K), "gguf_unpack takes Q4_K");
+  check(qtype == int64_t(QType::Q4_K) || qtype == int64_t(QType::Q6_K), "gguf_unpack takes Q4_K or Q6_K");
+  const QType t = QType(qtype);
+  const int64_t bb = qtype_info(t).block_bytes, tb = pack_tile_bytes(t);
   check(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-            packed.size(2) == kPackTileBytes,
-        "gguf_unpack: packed uint8 [rows / 16, in / 256, 2368]");
+            packed.size(2) == tb,
+        "gguf_unpack: packed uint8 [rows / 16, in / 256, tile bytes]");
   const int64_t tiles = packed.size(0), nb = packed.size(1);
   check(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == at::kByte &&
-            out.size(0) == tiles * kPackRows && out.size(1) == nb * 144,
+            out.size(0) == tiles * kPackRows && out.size(1) == nb * bb,
         "gguf_unpack: out uint8 [rows, row bytes]");
   const uint8_t* src = packed.const_data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
+    for (int64_t i = t0; i < t1; ++i)
       for (int64_t b = 0; b < nb; ++b)
-        unpack_q4k_tile(src + (t * nb + b) * kPackTileBytes, dst + t * kPackRows * nb * 144 + b * 144,
-                        nb * 144);
+        unpack_tile(t, src + (i * nb + b) * tb, dst + i * kPackRows * nb * bb + b * bb, nb * bb);
   });
 }
 
 // y = x W^T (+ bias) for any number of rows of x and W packed by gguf_pack (x quantized to
 // int8 per 256 values, as gguf_linear_small's int8_x); `out` may be a column slice.
 void gguf_packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                        const c10::optional<at::Tensor>& bias) {
+                        int64_t qtype, const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  check(qtype == int64_t(QType::Q4_K) || qtype == int64_t(QType::Q6_K),
+        "gguf_packed_linear takes Q4_K or Q6_K");
+  const QType t = QType(qtype);
   check(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
-            packed.size(2) == kPackTileBytes,
-        "gguf_packed_linear: packed uint8 [rows / 16, in / 256, 2368]");
+            packed.size(2) == pack_tile_bytes(t),
+        "gguf_packed_linear: packed uint8 [rows / 16, in / 256, tile bytes]");
   const int64_t rows = x.size(0), in = x.size(1), tiles = packed.size(0), o = tiles * kPackRows;
   check(x.dim() == 2 && x.stride(1) == 1 && in == packed.size(1) * 256,
         "gguf_packed_linear: x [rows, in] with in = 256 x the tiles' block columns");
@@ -426,9 +432,9 @@ void gguf_packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const at::Tensor xf = x.to(at::kFloat).contiguous();
 #if defined(__AVX512BF16__)
   if (x.scalar_type() == at::kBFloat16 && rows > kPackGemmRows) {  // batches: the integer GEMM
-    packed_q4k_gemm(out.data_ptr<c10::BFloat16>(), out.stride(0), xf.const_data_ptr<float>(), rows,
-                    packed.const_data_ptr<uint8_t>(), in, o,
-                    bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
+    packed_gemm(t, out.data_ptr<c10::BFloat16>(), out.stride(0), xf.const_data_ptr<float>(), rows,
+                packed.const_data_ptr<uint8_t>(), in, o,
+                bias ? bias->const_data_ptr<c10::BFloat16>() : nullptr);
     return;
   }
 #endif
@@ -437,7 +443,7 @@ void gguf_packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
   auto run = [&](auto* y, const auto* bp) {
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      packed_q4k_range(y, out.stride(0), xq, int(rows), w, in, bp, t0, t1);
+      packed_range(t, y, out.stride(0), xq, int(rows), w, in, bp, t0, t1);
     });
   };
   if (x.scalar_type() == at::kFloat)
@@ -447,7 +453,7 @@ void gguf_packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   else
     check(false, "dtype must be float32 or bfloat16");
 #else
-  (void)out, (void)x, (void)packed, (void)bias;
+  (void)out, (void)x, (void)packed, (void)qtype, (void)bias;
   check(false, "gguf_packed_linear needs a CPU with AVX-512 VNNI");
 #endif
 }
@@ -582,13 +588,15 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
       for (int64_t j = 0; j < n; ++j, ++k) {
         const at::Tensor& w = linears[k];
         const int64_t qt = qtypes.empty() ? 0 : qtypes[k];
-        if (qt == kPackedQ4K) {  // Q4_K tiles (gguf_packed.h) [rows / 16, in / 256, 2368]
-          check(packs_q4k() && w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
-                    w.size(2) == kPackTileBytes && (j == 0 || w.size(1) * 256 == L.in),
-                "decode_step: packed Q4_K parts are uint8 [rows / 16, in / 256, 2368] on a CPU "
+        if (qt == kPackedQ4K || qt == kPackedQ6K) {  // tiles (gguf_packed.h)
+          const QType pt = QType(qt - 256);
+          const int64_t tb = pack_tile_bytes(pt);
+          check(packs(pt) && w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
+                    w.size(2) == tb && (j == 0 || w.size(1) * 256 == L.in),
+                "decode_step: packed parts are uint8 [rows / 16, in / 256, tile bytes] on a CPU "
                 "with AVX-512 VNNI");
           L.in = w.size(1) * 256;
-          StepQPart P{w.const_data_ptr<uint8_t>(), QType::Q4_K, w.size(1) * kPackTileBytes / kPackRows,
+          StepQPart P{w.const_data_ptr<uint8_t>(), pt, w.size(1) * tb / kPackRows,
                       w.size(0) * kPackRows, L.out};
           P.packed = true;
           L.q.push_back(P);
@@ -837,7 +845,7 @@ TORCH_LIBRARY(tidewire, m) {
   m.def("gguf_packs(int qtype) -> bool", &tw::gguf_packs);
   m.def("gguf_pack(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_pack);
   m.def("gguf_unpack(Tensor(a!) out, Tensor packed, int qtype) -> ()", &tw::gguf_unpack);
-  m.def("gguf_packed_linear(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias) -> ()",
+  m.def("gguf_packed_linear(Tensor(a!) out, Tensor x, Tensor packed, int qtype, Tensor? bias) -> ()",
         &tw::gguf_packed_linear);
   m.def("cpu_amx(int allow=-1) -> bool", &tw::cpu_amx);
   m.def("gguf_reads_int8(int qtype, int in_features) -> bool", &tw::gguf_reads_int8);
