@@ -79,12 +79,13 @@ class QuantWeight:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A Q4_K or Q6_K matrix repacked once as tiles of 16 rows for the AVX-512 VNNI
+    """A Q4_K, Q6_K or Q8_0 matrix repacked once as tiles of 16 rows for the AVX-512 VNNI
     kernels (kernels/cpu/gguf_packed.h; cpu_ops.gguf_packed_linear multiplies it for any
-    number of rows): `data` uint8 [rows / 16, cols / 256, tile bytes]. Q6_K's tiles hold
-    as many bytes as its blocks, Q4_K's 2.8% more (the six-bit scales as bytes)."""
+    number of rows): `data` uint8 [rows / 16, cols / 256, tile bytes]. Q6_K's and Q8_0's
+    tiles hold as many bytes as their blocks, Q4_K's 2.8% more (the six-bit scales as
+    bytes)."""
 
-    base: int  # the block type it was packed from (12 or 14)
+    base: int  # the block type it was packed from (12, 14 or 8)
     data: torch.Tensor
     cols: int
 
@@ -116,7 +117,7 @@ class PackedWeight:
 
     @staticmethod
     def takes(w: Any) -> bool:
-        """Whether `w` can be packed here: a Q4_K or Q6_K QuantWeight of whole tiles, on a
+        """Whether `w` can be packed here: a Q4_K, Q6_K or Q8_0 QuantWeight of whole tiles, on a
         CPU whose kernels multiply packed tiles (AVX-512 VNNI); TIDEWIRE_GGUF_PACK=0:
         never."""
         from kernels import cpu_ops
@@ -137,7 +138,7 @@ class PackedWeight:
         return packed
 
 
-PACKABLE = (12, 14)  # Q4_K, Q6_K
+PACKABLE = (12, 14, 8)  # Q4_K, Q6_K, Q8_0
 
 
 def kernel_types() -> frozenset[int]:

@@ -214,21 +214,21 @@ def gguf_linear_small(x: torch.Tensor, weight: torch.Tensor, qtype: int,
 
 
 PACKED = 256  # + the block type: gguf_pack's tiles, as decode_step's qtypes name them
-PACK_TILE_BYTES = {12: 2368, 14: 3360}  # Q4_K, Q6_K
+PACK_TILE_BYTES = {12: 2368, 14: 3360, 8: 4352}  # Q4_K, Q6_K, Q8_0
 
 
 def gguf_packs(qtype: int) -> bool:
-    """Whether gguf_pack takes `qtype` on this CPU: Q4_K and Q6_K on CPUs with AVX-512
-    VNNI (kernels/cpu/gguf_packed.h)."""
+    """Whether gguf_pack takes `qtype` on this CPU: Q4_K, Q6_K and Q8_0 on CPUs with
+    AVX-512 VNNI (kernels/cpu/gguf_packed.h)."""
     return bool(torch.ops.tidewire.gguf_packs(qtype))
 
 
 def gguf_pack(weight: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Q4_K or Q6_K rows uint8 [rows, row bytes] (rows a multiple of 16) repacked as tiles
-    of 16 rows: uint8 [rows / 16, in / 256, PACK_TILE_BYTES[qtype]] (gguf_packed.h has
-    the layouts)."""
+    """Q4_K, Q6_K or Q8_0 rows uint8 [rows, row bytes] (rows a multiple of 16, rows of a
+    multiple of 256 values) repacked as tiles of 16 rows: uint8 [rows / 16, in / 256,
+    PACK_TILE_BYTES[qtype]] (gguf_packed.h has the layouts)."""
     rows, width = weight.shape
-    block = GGUF_BLOCKS[qtype][1]
+    block = GGUF_BLOCKS[qtype][1] * 256 // GGUF_BLOCKS[qtype][0]
     out = torch.empty((rows // 16, width // block, PACK_TILE_BYTES[qtype]), dtype=torch.uint8)
     torch.ops.tidewire.gguf_pack(out, weight.contiguous(), qtype)
     return out
@@ -237,7 +237,8 @@ def gguf_pack(weight: torch.Tensor, qtype: int) -> torch.Tensor:
 def gguf_unpack(packed: torch.Tensor, qtype: int) -> torch.Tensor:
     """gguf_pack's inverse: the rows in the file's block layout again."""
     tiles, nb, _ = packed.shape
-    out = torch.empty((tiles * 16, nb * GGUF_BLOCKS[qtype][1]), dtype=torch.uint8)
+    out = torch.empty((tiles * 16, nb * GGUF_BLOCKS[qtype][1] * 256 // GGUF_BLOCKS[qtype][0]),
+                      dtype=torch.uint8)
     torch.ops.tidewire.gguf_unpack(out, packed, qtype)
     return out
 
@@ -246,8 +247,9 @@ def gguf_packed_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int,
                        bias: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for any number of rows of x [rows, in] and W packed by gguf_pack
-    from `qtype` blocks; x is quantized to int8 per 256 values as gguf_linear_small's
-    int8_x does. `out`: [rows, out], unit column stride (a column slice will do)."""
+    from `qtype` blocks; x is quantized to int8 as gguf_linear_small's int8_x does (per
+    256 values; Q8_0 per 64, and per 32 past 16 bf16 rows, the integer GEMM's way).
+    `out`: [rows, out], unit column stride (a column slice will do)."""
     if out is None:
         out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=x.dtype)
     torch.ops.tidewire.gguf_packed_linear(out, x, packed, qtype, bias)

@@ -183,15 +183,20 @@ packs = pytest.mark.skipif(not cpu_ops.gguf_packs(12),
 
 
 @packs
-@pytest.mark.parametrize("qtype", [12, 14], ids=lambda t: NAMES[t])
+@pytest.mark.parametrize("qtype", [12, 14, 8], ids=lambda t: NAMES[t])
 def test_packed_tiles_equal_the_dequantized_matmul(qtype: int) -> None:
-    """gguf_pack's Q4_K and Q6_K tiles (kernels/cpu/gguf_packed.h) unpack to the same bytes, and
-    gguf_packed_linear equals x quantized per 256 values times the dequantized W in fp32:
+    """gguf_pack's Q4_K, Q6_K and Q8_0 tiles (kernels/cpu/gguf_packed.h) unpack to the same
+    bytes, and gguf_packed_linear equals x quantized per 256 values (Q8_0: 64; 32 on the
+    GEMM) times the dequantized W in fp32:
     its own kernel to 16 rows and for fp32 x (as the block kernel gives, to fp32
     rounding), the integer GEMM on the tiles past them (bf16 x), for 1-8, 13, 16, 17, 40, 300
     rows, a zero row, rows of 1-3 K blocks, 16 and 48 output rows (a GEMM panel with an
     empty half), with a bias and into a column slice."""
     g = torch.Generator().manual_seed(12)
+
+    def gemm(rows: int, dtype: torch.dtype) -> bool:  # (the integer GEMM past 16 bf16 rows)
+        return dtype == torch.bfloat16 and rows > 16 and cpu_ops.gguf_gemm_int8(qtype, 256)
+
     for out, cols in ((16, 256), (48, 768), (64, 512)):
         blocks = random_blocks(qtype, out, cols, seed=out + cols + qtype)
         w = torch.from_numpy(blocks)
@@ -204,7 +209,9 @@ def test_packed_tiles_equal_the_dequantized_matmul(qtype: int) -> None:
             for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 17, 40, 300):
                 x = torch.randn(rows, cols, generator=g).to(dtype)
                 x[rows // 2] = 0.0
-                want = x_as_int8(x, 256) @ ref.T + bias.float()
+                # x as the kernel quantizes it: Q8_0 per 64 values, per 32 on the GEMM
+                group = 256 if qtype != 8 else 32 if gemm(rows, dtype) else 64
+                want = x_as_int8(x, group) @ ref.T + bias.float()
                 got = cpu_ops.gguf_packed_linear(x, packed, qtype, bias).float()
                 # (1e-2: a value of x x 127 / max|x| that lies on a tie of the rounding
                 # may round the other way in torch; 300 random rows meet one)
@@ -221,14 +228,15 @@ def test_packed_tiles_equal_the_dequantized_matmul(qtype: int) -> None:
             wide = torch.zeros(rows, out + 10, dtype=torch.bfloat16)
             cpu_ops.gguf_packed_linear(x, packed, qtype, None, out=wide[:, 5 : 5 + out])
             assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
-            want = x_as_int8(x, 256) @ ref.T
+            group = 256 if qtype != 8 else 32 if gemm(rows, torch.bfloat16) else 64
+            want = x_as_int8(x, group) @ ref.T
             torch.testing.assert_close(wide[:, 5 : 5 + out].float(), want,
                                        atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 
 
 @packs
 def test_gguf_linear_packs_q4k_parts_where_it_can(monkeypatch) -> None:
-    """GGUFLinear with x in int8 repacks its Q4_K and Q6_K parts of whole tiles
+    """GGUFLinear with x in int8 repacks its Q4_K, Q6_K and Q8_0 parts of whole tiles
     (PackedWeight), keeps the others in their blocks, and gives what the blocks give (to the rounding of
     bf16 outputs) for decode rows and batches; not with pack=False (a matrix an embedding
     reads), TIDEWIRE_GGUF_PACK=0, or where AMX runs."""
@@ -237,11 +245,12 @@ def test_gguf_linear_packs_q4k_parts_where_it_can(monkeypatch) -> None:
 
     cols = 512
     parts = [QuantWeight(t, torch.from_numpy(random_blocks(t, n, cols, seed=t)), cols)
-             for t, n in ((12, 32), (14, 16), (12, 24), (13, 16))]
+             for t, n in ((12, 32), (14, 16), (12, 24), (13, 16), (8, 16))]
     lin = GGUFLinear(parts, None, torch.bfloat16)
     plain = GGUFLinear(parts, None, torch.bfloat16, pack=False)
     assert [type(p).__name__ for p in lin.parts] == ["PackedWeight", "PackedWeight",
-                                                     "QuantWeight", "QuantWeight"]
+                                                     "QuantWeight", "QuantWeight",
+                                                     "PackedWeight"]
     assert all(isinstance(p, QuantWeight) for p in plain.parts)
     assert lin.parts[0].shape == (32, cols)
     assert torch.equal(lin.parts[0].dequantize(), parts[0].dequantize())

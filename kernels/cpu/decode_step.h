@@ -83,7 +83,7 @@ inline void step_linear(const StepLinear<T>& L, T* y, const T* x, int rows, floa
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
       if (P.packed) {  // x always in int8 (the model packs only where int8_x holds)
         qp.q8 = true;
-        qp.xq.fill(xf, rows, L.in, 256);
+        qp.xq.fill(xf, rows, L.in, q8_group(P.t));
         split(P.out / kPackRows, tid, nt, 1, o0, o1);
         packed_range(P.t, y + P.col0, L.out, qp.xq, rows, P.w, L.in,
                      L.bias ? L.bias + P.col0 : nullptr, o0, o1);

@@ -26,6 +26,10 @@
 //                 32 P + 4 v + i, high: 32 P + 16 + 4 v + i)
 //   [2336, 3360)  high bits: pair P, half h (0-1), 64 bytes at 2336 + 128 P + 64 h; byte
 //                 4 r + i holds in bits 2 v, 2 v + 1 those of value 32 P + 16 h + 4 v + i
+// A Q8_0 tile, 4,352 bytes (as its 128 blocks): 8 blocks of 32 values a row.
+//   [0, 256)      d[k][r], fp16 (block k 0-7)
+//   [256, 4352)   codes + 128 (unsigned): block k, vector v (0-7), 64 bytes at 256 +
+//                 512 k + 64 v; byte 4 r + i holds value 32 k + 4 v + i of row r
 // Tiles in order of row tile, then block column: a matrix is [rows / 16, in / 256, tile
 // bytes]. Rows must be a multiple of 16 and in a multiple of 256 (gguf_packs).
 #pragma once
@@ -42,20 +46,24 @@ namespace tw {
 constexpr int64_t kPackRows = 16;
 constexpr int64_t kPackTileBytes = 2368;   // Q4_K
 constexpr int64_t kPackTileBytes6 = 3360;  // Q6_K
+constexpr int64_t kPackTileBytes8 = 4352;  // Q8_0
 constexpr int64_t kPackedQ4K = 256 + 12;   // the packed forms' type ids (decode_step's qtypes)
 constexpr int64_t kPackedQ6K = 256 + 14;
+constexpr int64_t kPackedQ8 = 256 + 8;
 constexpr int64_t kPackAhead = 4736;  // how far ahead the tiles are asked for
 // bf16 batches above this many rows take the integer GEMM (packed_gemm), smaller ones
 // packed_range (Q4_K 8192 x 2048 on a Xeon without AMX: 1.15x the GEMM at 16 rows,
 // 0.83x at 64)
 constexpr int64_t kPackGemmRows = 16;
 
-inline int64_t pack_tile_bytes(QType t) { return t == QType::Q6_K ? kPackTileBytes6 : kPackTileBytes; }
+inline int64_t pack_tile_bytes(QType t) {
+  return t == QType::Q6_K ? kPackTileBytes6 : t == QType::Q8_0 ? kPackTileBytes8 : kPackTileBytes;
+}
 
-// Whether this build multiplies packed tiles of type t (Q4_K, Q6_K; AVX-512 VNNI).
+// Whether this build multiplies packed tiles of type t (Q4_K, Q6_K, Q8_0; AVX-512 VNNI).
 inline bool packs(QType t) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return t == QType::Q4_K || t == QType::Q6_K;
+  return t == QType::Q4_K || t == QType::Q6_K || t == QType::Q8_0;
 #else
   (void)t;
   return false;
@@ -173,7 +181,29 @@ inline void unpack_q6k_tile(const uint8_t* src, uint8_t* dst, int64_t row_bytes)
   }
 }
 
+// 16 rows' 8 Q8_0 blocks (256 values; row r's at src + r * row_bytes) into one tile.
+inline void pack_q8_tile(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
+  for (int r = 0; r < 16; ++r)
+    for (int k = 0; k < 8; ++k) {
+      const uint8_t* blk = src + r * row_bytes + 34 * k;
+      std::memcpy(dst + 32 * k + 2 * r, blk, 2);
+      for (int v = 0; v < 8; ++v)
+        for (int i = 0; i < 4; ++i) dst[256 + 512 * k + 64 * v + 4 * r + i] = blk[2 + 4 * v + i] ^ 0x80;
+    }
+}
+
+inline void unpack_q8_tile(const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+  for (int r = 0; r < 16; ++r)
+    for (int k = 0; k < 8; ++k) {
+      uint8_t* blk = dst + r * row_bytes + 34 * k;
+      std::memcpy(blk, src + 32 * k + 2 * r, 2);
+      for (int v = 0; v < 8; ++v)
+        for (int i = 0; i < 4; ++i) blk[2 + 4 * v + i] = src[256 + 512 * k + 64 * v + 4 * r + i] ^ 0x80;
+    }
+}
+
 inline void pack_tile(QType t, const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
+  if (t == QType::Q8_0) return pack_q8_tile(src, row_bytes, dst);
   if (t == QType::Q6_K)
     pack_q6k_tile(src, row_bytes, dst);
   else
@@ -181,6 +211,7 @@ inline void pack_tile(QType t, const uint8_t* src, int64_t row_bytes, uint8_t* d
 }
 
 inline void unpack_tile(QType t, const uint8_t* src, uint8_t* dst, int64_t row_bytes) {
+  if (t == QType::Q8_0) return unpack_q8_tile(src, dst, row_bytes);
   if (t == QType::Q6_K)
     unpack_q6k_tile(src, dst, row_bytes);
   else
@@ -294,35 +325,94 @@ inline void packed_rows(const uint8_t* tiles, int64_t nb, const XQ& xq, int m0, 
     store16(y + (m0 + g) * y_stride, _mm512_add_ps(_mm512_sub_ps(tot[g], toff[g]), _mm512_load_ps(bv)));
 }
 
-template <bool six, typename T>
+// packed_rows for Q8_0 tiles, x quantized per 64 values (XQ group 64, as qdot_row_q4):
+// per block of 32 values the 16 rows' sums of (q + 128) x_q, times d, summed over the
+// pair of blocks that shares an x scale, times it; the 128 x_q come back through x's
+// 32-value sums: y = sum dx d I - 128 sum d (dx sum x_q).
+template <int G, typename T>
+inline void packed_rows_q8(const uint8_t* tiles, int64_t nb, const XQ& xq, int m0, T* y,
+                           int64_t y_stride, const T* bias) {
+  const int64_t in = xq.in;
+  __m512 tot[G], off[G];
+  for (int g = 0; g < G; ++g) tot[g] = off[g] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* t = tiles + b * kPackTileBytes8;
+    if (m0 == 0)
+      for (int64_t k = 0; k < kPackTileBytes8; k += 64) __builtin_prefetch(t + kPackAhead + k, 0, 1);
+    for (int pr = 0; pr < 4; ++pr) {  // blocks 2 pr, 2 pr + 1: one x scale
+      __m512 fs[G];
+      for (int g = 0; g < G; ++g) fs[g] = _mm512_setzero_ps();
+      for (int k = 2 * pr; k < 2 * pr + 2; ++k) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * k)));
+        __m512i c[8];
+        for (int v = 0; v < 8; ++v) c[v] = _mm512_loadu_si512(t + 256 + 512 * k + 64 * v);
+        for (int g = 0; g < G; ++g) {
+          const int8_t* xp = xq.row(m0 + g) + b * 256 + 32 * k;
+          __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+          for (int v = 0; v < 8; v += 2) {
+            int32_t x0, x1;
+            std::memcpy(&x0, xp + 4 * v, 4);
+            std::memcpy(&x1, xp + 4 * v + 4, 4);
+            a0 = _mm512_dpbusd_epi32(a0, c[v], _mm512_set1_epi32(x0));
+            a1 = _mm512_dpbusd_epi32(a1, c[v + 1], _mm512_set1_epi32(x1));
+          }
+          fs[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), d, fs[g]);
+          off[g] = _mm512_fmadd_ps(d, _mm512_set1_ps(xq.sums32[(m0 + g) * (in / 32) + b * 8 + k]), off[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        tot[g] = _mm512_fmadd_ps(fs[g], _mm512_set1_ps(xq.dx[(m0 + g) * (in / 64) + b * 4 + pr]), tot[g]);
+    }
+  }
+  alignas(64) float bv[16] = {};
+  if (bias)
+    for (int i = 0; i < 16; ++i) bv[i] = float(bias[i]);
+  for (int g = 0; g < G; ++g)
+    store16(y + (m0 + g) * y_stride,
+            _mm512_add_ps(_mm512_fnmadd_ps(off[g], _mm512_set1_ps(128.0f), tot[g]), _mm512_load_ps(bv)));
+}
+
+// G rows of x against a row tile of type t (packed_rows, packed_rows_q8).
+template <int G, QType t, typename T>
+inline void tile_rows(const uint8_t* tiles, int64_t nb, const XQ& xq, int m0, T* y,
+                      int64_t y_stride, const T* bias) {
+  if constexpr (t == QType::Q8_0)
+    packed_rows_q8<G>(tiles, nb, xq, m0, y, y_stride, bias);
+  else
+    packed_rows<G, t == QType::Q6_K>(tiles, nb, xq, m0, y, y_stride, bias);
+}
+
+template <QType t, typename T>
 inline void packed_tiles(T* y, int64_t y_stride, const XQ& xq, int rows, const uint8_t* w,
                          int64_t in, const T* bias, int64_t t0, int64_t t1) {
   const int64_t nb = in / 256;
   for (int64_t tile = t0; tile < t1; ++tile) {
-    const uint8_t* tiles = w + tile * nb * (six ? kPackTileBytes6 : kPackTileBytes);
+    const uint8_t* tiles = w + tile * nb * pack_tile_bytes(t);
     T* yt = y + tile * kPackRows;
     const T* bt = bias ? bias + tile * kPackRows : nullptr;
     int m0 = 0;
-    for (; m0 + 4 <= rows; m0 += 4) packed_rows<4, six>(tiles, nb, xq, m0, yt, y_stride, bt);
+    for (; m0 + 4 <= rows; m0 += 4) tile_rows<4, t>(tiles, nb, xq, m0, yt, y_stride, bt);
     switch (rows - m0) {
-      case 3: packed_rows<3, six>(tiles, nb, xq, m0, yt, y_stride, bt); break;
-      case 2: packed_rows<2, six>(tiles, nb, xq, m0, yt, y_stride, bt); break;
-      case 1: packed_rows<1, six>(tiles, nb, xq, m0, yt, y_stride, bt); break;
+      case 3: tile_rows<3, t>(tiles, nb, xq, m0, yt, y_stride, bt); break;
+      case 2: tile_rows<2, t>(tiles, nb, xq, m0, yt, y_stride, bt); break;
+      case 1: tile_rows<1, t>(tiles, nb, xq, m0, yt, y_stride, bt); break;
       default: break;
     }
   }
 }
 
 // Row tiles [t0, t1) of y [rows, out] (row stride y_stride; y points at output 0) for
-// every row of the prepared x, 4 rows of x at a time (a tile's bytes stay in L1 between
-// the groups); bias [out] or null.
+// every row of the prepared x (XQ with group q8_group(t)), 4 rows of x at a time (a tile's
+// bytes stay in L1 between the groups); bias [out] or null.
 template <typename T>
 inline void packed_range(QType t, T* y, int64_t y_stride, const XQ& xq, int rows, const uint8_t* w,
                          int64_t in, const T* bias, int64_t t0, int64_t t1) {
-  if (t == QType::Q6_K)
-    packed_tiles<true>(y, y_stride, xq, rows, w, in, bias, t0, t1);
+  if (t == QType::Q8_0)
+    packed_tiles<QType::Q8_0>(y, y_stride, xq, rows, w, in, bias, t0, t1);
+  else if (t == QType::Q6_K)
+    packed_tiles<QType::Q6_K>(y, y_stride, xq, rows, w, in, bias, t0, t1);
   else
-    packed_tiles<false>(y, y_stride, xq, rows, w, in, bias, t0, t1);
+    packed_tiles<QType::Q4_K>(y, y_stride, xq, rows, w, in, bias, t0, t1);
 }
 #endif
 
@@ -338,6 +428,15 @@ inline void lay_out_packed(QType qt, const uint8_t* t, PanelBlock& pb, int v) {
     for (int k = 0; k < 16; ++k) pb.scales[k][v] = z;
     for (int k = 0; k < 8; ++k) pb.offs[k][v] = z;
     pb.d[v] = pb.e[v] = _mm512_setzero_ps();
+    for (int k = 0; k < 8; ++k) pb.bd[k][v] = pb.bo[k][v] = _mm512_setzero_ps();
+    return;
+  }
+  if (qt == QType::Q8_0) {  // B32: the codes as stored (+ 128), d and o = -128 d a block
+    for (int k = 0; k < 8; ++k) {
+      pb.bd[k][v] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * k)));
+      pb.bo[k][v] = _mm512_mul_ps(pb.bd[k][v], _mm512_set1_ps(-128.0f));
+      for (int u = 0; u < 8; ++u) pb.codes[8 * k + u][v] = _mm512_loadu_si512(t + 256 + 512 * k + 64 * u);
+    }
     return;
   }
   const __m512i nib = _mm512_set1_epi8(0x0F);
@@ -383,12 +482,13 @@ inline void lay_out_packed(QType qt, const uint8_t* t, PanelBlock& pb, int v) {
 // to two vectors of columns): for batches, where it leads packed_range.
 inline void packed_gemm(QType t, c10::BFloat16* y, int64_t y_stride, const float* xf, int64_t rows,
                         const uint8_t* w, int64_t in, int64_t out, const c10::BFloat16* bias) {
-  const bool six = t == QType::Q6_K;
+  const bool six = t == QType::Q6_K, eight = t == QType::Q8_0;
   const int64_t tb = pack_tile_bytes(t);
-  XQPairs x;
-  x.fill(xf, int(rows), in, six ? 16 : 32, 256);
+  XQPairs x;  // (as qlinear_int8: the 32-value types take x per 32)
+  x.fill(xf, int(rows), in, six ? 16 : 32, eight ? 32 : 256);
   const int64_t nb = in / 256, tiles = out / kPackRows;
-  qgemm_panels(y, y_stride, x, rows, six ? Kind::K6 : Kind::K, w, nb * tb / kPackRows, out, bias,
+  qgemm_panels(y, y_stride, x, rows, six ? Kind::K6 : eight ? Kind::B32 : Kind::K, w,
+               nb * tb / kPackRows, out, bias,
                [&](PanelBlock& pb, int64_t n0, int, int64_t b) {
                  for (int v = 0; v < 2; ++v) {
                    const int64_t tile = n0 / kPackRows + v;

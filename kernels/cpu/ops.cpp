@@ -367,9 +367,9 @@ bool gguf_packs(int64_t qtype) { return qtype_known(qtype) && packs(QType(qtype)
 // out uint8 [rows / 16, in / 256, tile bytes] = w's Q4_K or Q6_K rows [rows, row bytes]
 // as tiles (gguf_packed.h).
 void gguf_pack(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
-  check(qtype == int64_t(QType::Q4_K) || qtype == int64_t(QType::Q6_K), "gguf_pack takes Q4_K or Q6_K");
+  check(gguf_packs(qtype), "gguf_pack takes Q4_K, Q6_K or Q8_0 on a CPU with AVX-512 VNNI");
   const QType t = QType(qtype);
-  const int64_t bb = qtype_info(t).block_bytes, tb = pack_tile_bytes(t);
+  const int64_t bb = qtype_info(t).block_bytes * (t == QType::Q8_0 ? 8 : 1), tb = pack_tile_bytes(t);
   check(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kByte && w.size(1) % bb == 0 &&
             w.size(0) % kPackRows == 0,
         "gguf_pack: w uint8 [rows (a multiple of 16), row bytes] of whole blocks");
@@ -389,9 +389,9 @@ void gguf_pack(at::Tensor& out, const at::Tensor& w, int64_t qtype) {
 
 // gguf_pack's inverse: out uint8 [rows, row bytes] of blocks from the tiles.
 void gguf_unpack(at::Tensor& out, const at::Tensor& packed, int64_t qtype) {
-  check(qtype == int64_t(QType::Q4_K) || qtype == int64_t(QType::Q6_K), "gguf_unpack takes Q4_K or Q6_K");
+  check(gguf_packs(qtype), "gguf_unpack takes Q4_K, Q6_K or Q8_0 on a CPU with AVX-512 VNNI");
   const QType t = QType(qtype);
-  const int64_t bb = qtype_info(t).block_bytes, tb = pack_tile_bytes(t);
+  const int64_t bb = qtype_info(t).block_bytes * (t == QType::Q8_0 ? 8 : 1), tb = pack_tile_bytes(t);
   check(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
             packed.size(2) == tb,
         "gguf_unpack: packed uint8 [rows / 16, in / 256, tile bytes]");
@@ -413,8 +413,7 @@ void gguf_unpack(at::Tensor& out, const at::Tensor& packed, int64_t qtype) {
 void gguf_packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         int64_t qtype, const c10::optional<at::Tensor>& bias) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  check(qtype == int64_t(QType::Q4_K) || qtype == int64_t(QType::Q6_K),
-        "gguf_packed_linear takes Q4_K or Q6_K");
+  check(gguf_packs(qtype), "gguf_packed_linear takes Q4_K, Q6_K or Q8_0");
   const QType t = QType(qtype);
   check(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte &&
             packed.size(2) == pack_tile_bytes(t),
@@ -439,7 +438,7 @@ void gguf_packed_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   }
 #endif
   XQ xq;
-  xq.fill(xf.const_data_ptr<float>(), int(rows), in, 256);
+  xq.fill(xf.const_data_ptr<float>(), int(rows), in, q8_group(t));
   const uint8_t* w = packed.const_data_ptr<uint8_t>();
   auto run = [&](auto* y, const auto* bp) {
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -588,7 +587,7 @@ StepModel<T> step_model(const at::TensorList norms, const at::TensorList linears
       for (int64_t j = 0; j < n; ++j, ++k) {
         const at::Tensor& w = linears[k];
         const int64_t qt = qtypes.empty() ? 0 : qtypes[k];
-        if (qt == kPackedQ4K || qt == kPackedQ6K) {  // tiles (gguf_packed.h)
+        if (qt == kPackedQ4K || qt == kPackedQ6K || qt == kPackedQ8) {  // tiles (gguf_packed.h)
           const QType pt = QType(qt - 256);
           const int64_t tb = pack_tile_bytes(pt);
           check(packs(pt) && w.dim() == 3 && w.is_contiguous() && w.scalar_type() == at::kByte &&
