@@ -3,8 +3,9 @@
     python -m bench.gguf_kernels [--rows 1] [--out 8192] [--in 2048] [--x int8|exact]
     python -m bench.gguf_kernels --tiled [--out 8192] [--in 2048]
 
-For each block type, x W^T for a few rows of x (cpu_ops.gguf_linear_small) on a matrix
-far larger than the caches, as GB/s of weight bytes streamed and as a fraction of a
+For each block type, x W^T for a few rows of x (cpu_ops.gguf_linear_small, and where the
+CPU multiplies packed tiles cpu_ops.gguf_packed_linear on the same matrices repacked) on
+matrices far larger than the caches, as GB/s of weight bytes streamed and as a fraction of a
 plain streaming read of memory on the same threads (a sum over a 1 GiB fp32 tensor);
 bf16 and int8 weights through cpu_ops.linear_small beside them. Random blocks (the
 speed does not depend on the values).
@@ -134,6 +135,23 @@ def main() -> None:
                      "ms_per_1b_weights": round(1e9 * bits / 8 / gb / 1e6, 2)}
         print(f"{name}: {gb:5.1f} GB/s ({gb / bw:4.0%} of the read), {bits:.2f} bits a weight, "
               f"{out[name]['ms_per_1b_weights']} ms per 1e9 weights")
+        if a.x == "int8" and cpu_ops.gguf_packs(qtype) and a.out % 16 == 0 and a.inp % 256 == 0:
+            # the same matrices as packed tiles (what GGUFLinear multiplies here)
+            packed = [cpu_ops.gguf_pack(w, qtype) for w in ws]
+            del ws
+
+            def run_packed(packed=packed, qtype=qtype) -> None:
+                for w in packed:
+                    cpu_ops.gguf_packed_linear(x, w, qtype)
+            pnb = sum(w.numel() for w in packed)
+            gb = _best(run_packed, pnb, a.repeat)
+            bits = 8 * packed[0].numel() / (a.out * a.inp)
+            key = f"{name} packed"
+            out[key] = {"gb_s": round(gb, 2), "of_read": round(gb / bw, 3),
+                        "bits_per_weight": bits,
+                        "ms_per_1b_weights": round(1e9 * bits / 8 / gb / 1e6, 2)}
+            print(f"{key}: {gb:5.1f} GB/s ({gb / bw:4.0%} of the read), {bits:.2f} bits a "
+                  f"weight, {out[key]['ms_per_1b_weights']} ms per 1e9 weights")
     g = torch.Generator().manual_seed(0)
     for name, ws, scale in (
             ("bf16", [torch.randn(a.out, a.inp, generator=g).to(torch.bfloat16)

@@ -32,8 +32,28 @@ from engine import gguf_reader
 SOURCE_FILE = "tidewire_gguf.txt"  # in a native model directory: the GGUF's path
 
 
+class _Stored:
+    """What QuantWeight and PackedWeight share: a matrix of `rows` x `cols` values held
+    as the bytes of `data`."""
+
+    data: torch.Tensor
+    cols: int
+
+    @property
+    def rows(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
 @dataclass(frozen=True)
-class QuantWeight:
+class QuantWeight(_Stored):
     """A matrix [rows, cols] in a GGUF block type: `data` uint8 [rows, row bytes]."""
 
     qtype: int  # ggml's type id (kernels.cpu_ops.GGUF_BLOCKS)
@@ -44,14 +64,6 @@ class QuantWeight:
     @property
     def rows(self) -> int:
         return int(self.data.shape[0])
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.cols
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from kernels import cpu_ops
@@ -78,7 +90,7 @@ class QuantWeight:
 
 
 @dataclass(frozen=True)
-class PackedWeight:
+class PackedWeight(_Stored):
     """A Q4_K, Q6_K or Q8_0 matrix repacked once as tiles of 16 rows for the AVX-512 VNNI
     kernels (kernels/cpu/gguf_packed.h; cpu_ops.gguf_packed_linear multiplies it for any
     number of rows): `data` uint8 [rows / 16, cols / 256, tile bytes]. Q6_K's and Q8_0's
@@ -98,14 +110,6 @@ class PackedWeight:
     @property
     def rows(self) -> int:
         return int(self.data.shape[0]) * 16
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.cols
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
 
     def unpacked(self) -> QuantWeight:
         from kernels import cpu_ops
