@@ -247,13 +247,20 @@ def gguf_packed_linear(x: torch.Tensor, packed: torch.Tensor, qtype: int,
                        bias: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) for any number of rows of x [rows, in] and W packed by gguf_pack
-    from `qtype` blocks; x is quantized to int8 as gguf_linear_small's int8_x does (per
-    256 values; Q8_0 per 64, and per 32 past 16 bf16 rows, the integer GEMM's way).
+    from `qtype` blocks; x is quantized to int8 as gguf_linear_small's int8_x does
+    (gguf_x_group: per 256 values for the K types, per 32 for Q8_0).
     `out`: [rows, out], unit column stride (a column slice will do)."""
     if out is None:
         out = torch.empty((x.shape[0], packed.shape[0] * 16), dtype=x.dtype)
     torch.ops.tidewire.gguf_packed_linear(out, x, packed, qtype, bias)
     return out
+
+
+def gguf_x_group(qtype: int) -> int:
+    """How many values of a row of x share one int8 scale where gguf_linear_small (with
+    int8_x) and gguf_packed_linear take x in int8 for `qtype` on this CPU: 256 for the K
+    types, 64 for Q4_0/Q4_1, Q8_0 32 on AVX-512 VNNI (64 on AVX2)."""
+    return int(torch.ops.tidewire.gguf_x_group(qtype))
 
 
 def gguf_reads_int8(qtype: int, in_features: int) -> bool:

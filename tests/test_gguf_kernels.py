@@ -52,8 +52,9 @@ def x_as_int8(x: torch.Tensor, group: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", sorted(NAMES), ids=lambda t: NAMES[t])
 def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int, x_mode: str) -> None:
     """fp32 x: the exact sums. int8 x (bf16 x always; fp32 x where asked, on CPUs with an
-    int8 path for the type: gguf_reads_int8): x quantized per 256 values (64 for the
-    32-value types) times the dequantized W, to fp32 rounding; the error that adds
+    int8 path for the type: gguf_reads_int8): x quantized per gguf_x_group values (256;
+    Q4_0/Q4_1 64; Q8_0 32 on AVX-512 VNNI, 64 on AVX2) times the dequantized W, to fp32
+    rounding; the error that adds
     against fp32 x stays small. Else bf16 x as it is."""
     dtype = torch.bfloat16 if x_mode == "bf16" else torch.float32
     int8_x = x_mode != "fp32"
@@ -64,7 +65,7 @@ def test_gguf_linear_small_equals_the_dequantized_matmul(qtype: int, x_mode: str
     g = torch.Generator().manual_seed(qtype)
     bias = torch.randn(out, generator=g).to(dtype)
     quantized = int8_x and cpu_ops.gguf_reads_int8(qtype, cols)
-    group = 256 if qtype >= 12 else 64
+    group = cpu_ops.gguf_x_group(qtype)  # (256; Q4_0/Q4_1 64; Q8_0 32, on AVX2 64)
     for rows in range(1, 9):
         x = torch.randn(rows, cols, generator=g).to(dtype)
         if rows == 2:
@@ -186,17 +187,13 @@ packs = pytest.mark.skipif(not cpu_ops.gguf_packs(12),
 @pytest.mark.parametrize("qtype", [12, 14, 8], ids=lambda t: NAMES[t])
 def test_packed_tiles_equal_the_dequantized_matmul(qtype: int) -> None:
     """gguf_pack's Q4_K, Q6_K and Q8_0 tiles (kernels/cpu/gguf_packed.h) unpack to the same
-    bytes, and gguf_packed_linear equals x quantized per 256 values (Q8_0: 64; 32 on the
-    GEMM) times the dequantized W in fp32:
+    bytes, and gguf_packed_linear equals x quantized per 256 values (Q8_0: 32, on the GEMM
+    too) times the dequantized W in fp32:
     its own kernel to 16 rows and for fp32 x (as the block kernel gives, to fp32
     rounding), the integer GEMM on the tiles past them (bf16 x), for 1-8, 13, 16, 17, 40, 300
     rows, a zero row, rows of 1-3 K blocks, 16 and 48 output rows (a GEMM panel with an
     empty half), with a bias and into a column slice."""
     g = torch.Generator().manual_seed(12)
-
-    def gemm(rows: int, dtype: torch.dtype) -> bool:  # (the integer GEMM past 16 bf16 rows)
-        return dtype == torch.bfloat16 and rows > 16 and cpu_ops.gguf_gemm_int8(qtype, 256)
-
     for out, cols in ((16, 256), (48, 768), (64, 512)):
         blocks = random_blocks(qtype, out, cols, seed=out + cols + qtype)
         w = torch.from_numpy(blocks)
@@ -210,7 +207,7 @@ def test_packed_tiles_equal_the_dequantized_matmul(qtype: int) -> None:
                 x = torch.randn(rows, cols, generator=g).to(dtype)
                 x[rows // 2] = 0.0
                 # x as the kernel quantizes it: Q8_0 per 64 values, per 32 on the GEMM
-                group = 256 if qtype != 8 else 32 if gemm(rows, dtype) else 64
+                group = cpu_ops.gguf_x_group(qtype)  # (Q8_0 32, the GEMM's too)
                 want = x_as_int8(x, group) @ ref.T + bias.float()
                 got = cpu_ops.gguf_packed_linear(x, packed, qtype, bias).float()
                 # (1e-2: a value of x x 127 / max|x| that lies on a tie of the rounding
@@ -228,7 +225,7 @@ def test_packed_tiles_equal_the_dequantized_matmul(qtype: int) -> None:
             wide = torch.zeros(rows, out + 10, dtype=torch.bfloat16)
             cpu_ops.gguf_packed_linear(x, packed, qtype, None, out=wide[:, 5 : 5 + out])
             assert not wide[:, :5].any() and not wide[:, 5 + out :].any()
-            group = 256 if qtype != 8 else 32 if gemm(rows, torch.bfloat16) else 64
+            group = cpu_ops.gguf_x_group(qtype)
             want = x_as_int8(x, group) @ ref.T
             torch.testing.assert_close(wide[:, 5 : 5 + out].float(), want,
                                        atol=1e-2 * want.abs().max().item(), rtol=1e-2)

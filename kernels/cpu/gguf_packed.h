@@ -325,10 +325,9 @@ inline void packed_rows(const uint8_t* tiles, int64_t nb, const XQ& xq, int m0, 
     store16(y + (m0 + g) * y_stride, _mm512_add_ps(_mm512_sub_ps(tot[g], toff[g]), _mm512_load_ps(bv)));
 }
 
-// packed_rows for Q8_0 tiles, x quantized per 64 values (XQ group 64, as qdot_row_q4):
-// per block of 32 values the 16 rows' sums of (q + 128) x_q, times d, summed over the
-// pair of blocks that shares an x scale, times it; the 128 x_q come back through x's
-// 32-value sums: y = sum dx d I - 128 sum d (dx sum x_q).
+// packed_rows for Q8_0 tiles, x quantized per 32 values (XQ group 32, as qdot_row_q4):
+// per block of 32 values the 16 rows' sums of (q + 128) x_q, times d dx; the 128 x_q come
+// back through x's 32-value sums: y = sum d dx I - 128 sum d (dx sum x_q).
 template <int G, typename T>
 inline void packed_rows_q8(const uint8_t* tiles, int64_t nb, const XQ& xq, int m0, T* y,
                            int64_t y_stride, const T* bias) {
@@ -339,29 +338,25 @@ inline void packed_rows_q8(const uint8_t* tiles, int64_t nb, const XQ& xq, int m
     const uint8_t* t = tiles + b * kPackTileBytes8;
     if (m0 == 0)
       for (int64_t k = 0; k < kPackTileBytes8; k += 64) __builtin_prefetch(t + kPackAhead + k, 0, 1);
-    for (int pr = 0; pr < 4; ++pr) {  // blocks 2 pr, 2 pr + 1: one x scale
-      __m512 fs[G];
-      for (int g = 0; g < G; ++g) fs[g] = _mm512_setzero_ps();
-      for (int k = 2 * pr; k < 2 * pr + 2; ++k) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * k)));
-        __m512i c[8];
-        for (int v = 0; v < 8; ++v) c[v] = _mm512_loadu_si512(t + 256 + 512 * k + 64 * v);
-        for (int g = 0; g < G; ++g) {
-          const int8_t* xp = xq.row(m0 + g) + b * 256 + 32 * k;
-          __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
-          for (int v = 0; v < 8; v += 2) {
-            int32_t x0, x1;
-            std::memcpy(&x0, xp + 4 * v, 4);
-            std::memcpy(&x1, xp + 4 * v + 4, 4);
-            a0 = _mm512_dpbusd_epi32(a0, c[v], _mm512_set1_epi32(x0));
-            a1 = _mm512_dpbusd_epi32(a1, c[v + 1], _mm512_set1_epi32(x1));
-          }
-          fs[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), d, fs[g]);
-          off[g] = _mm512_fmadd_ps(d, _mm512_set1_ps(xq.sums32[(m0 + g) * (in / 32) + b * 8 + k]), off[g]);
+    for (int k = 0; k < 8; ++k) {
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 * k)));
+      __m512i c[8];
+      for (int v = 0; v < 8; ++v) c[v] = _mm512_loadu_si512(t + 256 + 512 * k + 64 * v);
+      for (int g = 0; g < G; ++g) {
+        const int8_t* xp = xq.row(m0 + g) + b * 256 + 32 * k;
+        __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+        for (int v = 0; v < 8; v += 2) {
+          int32_t x0, x1;
+          std::memcpy(&x0, xp + 4 * v, 4);
+          std::memcpy(&x1, xp + 4 * v + 4, 4);
+          a0 = _mm512_dpbusd_epi32(a0, c[v], _mm512_set1_epi32(x0));
+          a1 = _mm512_dpbusd_epi32(a1, c[v + 1], _mm512_set1_epi32(x1));
         }
+        const int64_t at = (m0 + g) * (in / 32) + b * 8 + k;
+        tot[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)),
+                                 _mm512_mul_ps(d, _mm512_set1_ps(xq.dx[at])), tot[g]);
+        off[g] = _mm512_fmadd_ps(d, _mm512_set1_ps(xq.sums32[at]), off[g]);
       }
-      for (int g = 0; g < G; ++g)
-        tot[g] = _mm512_fmadd_ps(fs[g], _mm512_set1_ps(xq.dx[(m0 + g) * (in / 64) + b * 4 + pr]), tot[g]);
     }
   }
   alignas(64) float bv[16] = {};

@@ -512,6 +512,13 @@ bool gguf_reads_int8(int64_t qtype, int64_t in) {
   return qreads_q8(QType(qtype), in);
 }
 
+// How many values of a row of x share one int8 scale where gguf_linear_small (int8_x) and
+// gguf_packed_linear quantize x for type qtype on this CPU (gguf_quant.h q8_group).
+int64_t gguf_x_group(int64_t qtype) {
+  check(qtype_known(qtype), "gguf_x_group: type must be Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K");
+  return q8_group(QType(qtype));
+}
+
 bool cpu_amx(int64_t allow) {
   if (allow >= 0) amx_allowed() = allow != 0;
 #if defined(TW_AMX)
@@ -842,6 +849,7 @@ TORCH_LIBRARY(tidewire, m) {
         &tw::gguf_linear_small);
   m.def("gguf_dequant(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_dequant);
   m.def("gguf_packs(int qtype) -> bool", &tw::gguf_packs);
+  m.def("gguf_x_group(int qtype) -> int", &tw::gguf_x_group);
   m.def("gguf_pack(Tensor(a!) out, Tensor w, int qtype) -> ()", &tw::gguf_pack);
   m.def("gguf_unpack(Tensor(a!) out, Tensor packed, int qtype) -> ()", &tw::gguf_unpack);
   m.def("gguf_packed_linear(Tensor(a!) out, Tensor x, Tensor packed, int qtype, Tensor? bias) -> ()",
