@@ -20,6 +20,7 @@ import ctypes
 import mmap
 import os
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from engine import gguf_reader
 SOURCE_FILE = "tidewire_gguf.txt"  # in a native model directory: the GGUF's path
 
 
-class _Stored:
+class _Stored(ABC):
     """What QuantWeight and PackedWeight share: a matrix of `rows` x `cols` values held
     as the bytes of `data`."""
 
@@ -40,8 +41,8 @@ class _Stored:
     cols: int
 
     @property
-    def rows(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def rows(self) -> int: ...
 
     @property
     def shape(self) -> tuple[int, int]:
