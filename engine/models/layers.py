@@ -157,7 +157,7 @@ class GGUFLinear:
         self.bias, self.dtype = bias, dtype
         # the small-batch kernel's x in int8 (ModelPlan.int8_activations; None: in bf16)
         self.int8_x = dtype == torch.bfloat16 if int8_x is None else int8_x
-        # Q4_K and Q6_K parts repacked as tiles of 16 rows where the CPU multiplies them
+        # Q4_K, Q6_K and Q8_0 parts repacked as tiles of 16 rows where the CPU multiplies them
         # (PackedWeight: every batch size, x in int8), but not where AMX runs (its tiled
         # kernel reads the blocks) nor for a matrix an embedding also reads in a copy of
         # its own (pack=False; a view of the mapped file reads back from the file)
@@ -213,7 +213,9 @@ class GGUFLinear:
     def small_limit(self, p: Any) -> int:
         """The most rows of bf16 x the small-batch kernel takes for QuantWeight part p
         (a PackedWeight: every batch runs on its kernels; the compiled step's 8)."""
-        if not hasattr(p, "qtype") or p.qtype not in self.small_rows:
+        from engine.gguf_weights import PackedWeight
+
+        if isinstance(p, PackedWeight):
             return 8
         return self.gemm_rows[p.qtype] if self._gemm(p) else self.small_rows[p.qtype]
 
