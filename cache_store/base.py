@@ -24,7 +24,7 @@ class TierStats:
     """Counters of one tier (monotonic, read by the metrics endpoint)."""
 
     lookups: int = 0  # keys asked about
-    hits: int = 0  # keys loaded (get_many returned bytes)
+    hits: int = 0  # keys loaded (get_many or get_into found them)
     misses: int = 0  # keys asked for that did not come back
     bytes_read: int = 0
     bytes_written: int = 0
@@ -65,6 +65,21 @@ class KVTier(ABC):
     @abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
         """The values of `keys`, None for each one missing; refreshes their lifetime."""
+
+    def get_into(self, keys: Sequence[str], bufs: Sequence[memoryview]) -> list[int | None]:
+        """get_many's values written into the caller's buffers, one each: the value's
+        length, or None for a key that is missing. A length past len(bufs[i]) means the
+        value did not fit (only its start was written): the caller treats it as corrupt.
+        Here: get_many, then a copy; the Redis tier reads replies from its socket
+        straight into the buffers."""
+        out: list[int | None] = []
+        for v, buf in zip(self.get_many(keys), bufs):
+            if v is not None:
+                src = memoryview(v).cast("B")
+                k = min(len(src), len(buf))
+                buf[:k] = src[:k]
+            out.append(None if v is None else len(v))
+        return out
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:

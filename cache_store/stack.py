@@ -58,6 +58,23 @@ class TierStack(KVTier):
             todo = [i for i, v in zip(todo, vals) if v is None]
         return out
 
+    def get_into(self, keys: Sequence[str], bufs: Sequence[memoryview]) -> list[int | None]:
+        out: list[int | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for level, t in enumerate(self.tiers):
+            if not todo:
+                break
+            got = t.get_into([keys[i] for i in todo], [bufs[i] for i in todo])
+            found = [(i, n) for i, n in zip(todo, got) if n is not None]
+            for i, n in found:
+                out[i] = n
+            whole = [(keys[i], bytes(bufs[i][:n])) for i, n in found if n <= len(bufs[i])]
+            if level and whole:  # promote into the faster tiers (copies: the buffers are reused)
+                for faster in self.tiers[:level]:
+                    faster.put_many(whole)
+            todo = [i for i, n in zip(todo, got) if n is None]
+        return out
+
     def put_many(self, items: Sequence[tuple[str, bytes | memoryview]]) -> int:
         return max(t.put_many(items) for t in self.tiers)
 

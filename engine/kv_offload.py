@@ -7,10 +7,12 @@ Engine thread (all bookkeeping, all KV tensor access):
   (capture); its move to pinned host memory and the hand-off to the I/O thread wait
   until the forward is under way (ship);
 - at admission, `start` asks the tier for the request's blocks past its device hits and
-  the request waits in LOADING; `poll` (each schedule) puts what arrived into free
-  device blocks under their hashes, where the admission finds them as ordinary prefix
-  hits. A load that fails, comes back short or passes its deadline leaves the request to
-  recompute from the last block that did arrive.
+  the request waits in LOADING; the I/O thread hands the blocks over a chunk at a time,
+  and `poll` (each schedule, and each time a chunk lands while nothing else runs) puts
+  what arrived into free device blocks under their hashes while the next chunk is read.
+  Once the last has arrived the admission finds them as ordinary prefix hits. A load
+  that fails, comes back short or passes its deadline leaves the request to recompute
+  from the last block that did arrive.
 
 I/O worker thread (engine/kv_io.py): lookups, reads (decoded and checked there: a
 corrupt value is a miss and is deleted), and writes (encoded there), loads before
@@ -32,14 +34,14 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
 import torch
 
 from cache_store import KVTier
 from cache_store.codec import header_size
 from engine.block_manager import KVCacheManager
 from engine.config import TierConfig
-from engine.kv_io import BlockFormat, LoadJob, OffloadStats, TierWorker, WriteJob, tier_key
+from engine.kv_io import (BlockFormat, LoadedChunk, LoadJob, OffloadStats, TierWorker, WriteJob,
+                          tier_key)
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.stats import OffloadCounters, TierCounters
@@ -52,7 +54,6 @@ LAYOUT = "layers,2,block_size,kv_heads,head_dim;v1"  # canonical block layout of
 # A tier of known size caps it lower: past the number of blocks the tier holds, the
 # oldest entries are surely stale.
 _KNOWN_LIMIT = 1 << 18
-_STAGING_BYTES = 64 << 20
 _LOOKUP_WAIT_PER_STEP = 0.002
 UNKEYED_REDIS_WARNING = (
     "kv tier redis without --kv-tier-secret: the tier trusts whoever can write Redis (a "
@@ -107,22 +108,17 @@ class KVOffload:
         self._captured: list[tuple[list[bytes], torch.Tensor]] = []  # snapshots to ship
         self._known: OrderedDict[bytes, None] = OrderedDict()  # hashes the tier has
         self._waited = 0.0  # seconds spent this step waiting on lookups
-        # Loads land here before going into the cache: allocated and touched once, since
-        # faulting in tens of fresh MB per load cost more than the copies themselves.
-        block_bytes = math.prod(self.shape) * self.dtype.itemsize
+        self.block_bytes = block_bytes = math.prod(self.shape) * self.dtype.itemsize
         cap = tier.capacity_bytes  # a stored value: the block's bytes behind a header
         self.known_limit = _KNOWN_LIMIT if cap is None else \
             max(1, min(_KNOWN_LIMIT, cap // (header_size(config.mac_key) + block_bytes)))
-        n = max(1, min(kv.pool.num_blocks, _STAGING_BYTES // block_bytes))
-        self._staging = torch.zeros((n, *self.shape), dtype=self.dtype)
-        self._staging_bytes = self._staging.view(torch.uint8).reshape(n, -1).numpy()
         if config.write_through:
             kv.new_prompt_blocks = []
         fmt = BlockFormat(fingerprint, str(self.dtype).removeprefix("torch."), self.shape,
                           self.dtype.itemsize, config.mac_key)
         if config.kind == "redis" and not config.secret:
             log.warning(UNKEYED_REDIS_WARNING)
-        self.worker = TierWorker(tier, fmt, self.stats, config.max_pending_writes)
+        self.worker = TierWorker(tier, fmt, self.stats, config.max_pending_writes, self.dtype)
 
     # -- TierLoader (engine thread) ---------------------------------------------------------
 
@@ -167,16 +163,18 @@ class KVOffload:
         return False
 
     def poll(self) -> list[Request]:
+        """Put what arrived since the last call into the pool; the requests whose loads
+        ended (done, or past their deadline: they recompute what did not arrive)."""
         ended = []
         now = time.monotonic()
         for rid, job in list(self._loads.items()):
-            if job.done:
-                self._insert(job)
+            done = job.done  # (read first: every chunk is in the list once it is set)
+            self._insert(job)
+            if done:
+                self._finish(job)
             elif now > job.deadline:
-                job.cancelled = True
                 self.stats.load_timeouts += 1
-                if job.found >= 0:
-                    self._forget(job.hashes[job.found:])
+                self._finish(job, cancel=True)
             else:
                 continue
             del self._loads[rid]
@@ -186,58 +184,66 @@ class KVOffload:
     def cancel(self, req: Request) -> None:
         job = self._loads.pop(req.request_id, None)
         if job is not None:
-            job.cancelled = True
+            self.worker.give_back(job, cancel=True)
 
     def wait(self, timeout: float) -> None:
         """Block the engine thread until a load arrives (when nothing else can run)."""
         self.worker.arrived.wait(timeout)
         self.worker.arrived.clear()
 
+    def _finish(self, job: LoadJob, cancel: bool = False) -> None:
+        """The load is over (or, with `cancel`, given up): what was put into the pool is
+        the request's host-cached prefix (its admission takes those blocks as prefix
+        hits); the tier lacks the rest, or was too slow to tell."""
+        if cancel:
+            self.worker.give_back(job, cancel=True)
+        job.req.num_host_cached_tokens = job.inserted * self.kv.block_size
+        if job.found >= 0:
+            self._forget(job.hashes[job.inserted:])
+
     def _insert(self, job: LoadJob) -> None:
-        """Put the loaded blocks into free device blocks, cached under their hashes and
-        left free (the request's admission takes them as prefix hits)."""
+        """Put the chunks that arrived since the last call into the pool and give their
+        buffers back to the worker."""
+        n = len(job.chunks)
+        while job.taken < n:
+            self._insert_chunk(job, job.chunks[job.taken])
+            job.taken += 1
+        self.worker.give_back(job)
+
+    def _insert_chunk(self, job: LoadJob, chunk: LoadedChunk) -> None:
+        """One chunk's blocks into free device blocks, cached under their hashes and left
+        free: the request holds nothing while it waits, and the blocks join the free
+        queue's tail, the chain's first block last (the last evicted)."""
         pool = self.kv.pool
-        todo = []
-        kept: list = []  # what the device already has among them: held like the prefix
-        for h, payload in zip(job.hashes, job.payloads or ()):
-            if pool.lacks(h):  # (another request may have computed it meanwhile)
-                todo.append((h, payload))
-            else:
-                kept += pool.holders(h)
-        job.req.num_host_cached_tokens = len(job.payloads or ()) * self.kv.block_size
-        self._forget(job.hashes[len(job.payloads or ()):])
-        # Hold the prefix already on the device: it is the oldest free memory, the first
-        # thing the allocation below would evict, breaking the chain it continues.
+        # Hold the chain so far while this allocation makes room: the device's prefix and
+        # the blocks earlier chunks put in are the oldest free memory, the first thing the
+        # allocation would evict, breaking the chain these blocks continue.
         held = []
-        for h in job.req.block_hashes[: job.first]:
+        for h in job.req.block_hashes[: job.first] + job.hashes[: job.inserted]:
             b = pool.lookup(h)
             if b is None:
                 break
             held.append(b)
-        held += kept
+        todo = []  # slots of the chunk the pool lacks (another request may have computed
+        for i, h in enumerate(chunk.hashes):  # the others meanwhile)
+            if pool.lacks(h):
+                todo.append(i)
+            else:
+                held += pool.holders(h)
+        job.inserted += len(chunk.hashes)
         pool.touch(held)
         todo = todo[: max(0, pool.num_free - 1)]
         blocks = pool.allocate(len(todo)) if todo else []
         self.capture()  # blocks this allocation evicted: copy them before overwriting
-        step = len(self._staging)
-        for i in range(0, len(blocks), step):
-            part = todo[i : i + step]
-            self.runner.write_blocks([b.block_id for b in blocks[i : i + step]],
-                                     self._stage(part))
-        for b, (h, _) in zip(blocks, todo):
-            pool.cache(b, h)
-            self._remember(h)
-        # Back to the free queue, the prefix's first block last (the last evicted).
+        if blocks:
+            data = chunk.buf.blocks  # (a strided view: the copy into the pool is the only one)
+            data = data[: len(todo)] if todo[-1] == len(todo) - 1 else data[torch.tensor(todo)]
+            self.runner.write_blocks([b.block_id for b in blocks], data)
+        for b, i in zip(blocks, todo):
+            pool.cache(b, chunk.hashes[i])
+            self._remember(chunk.hashes[i])
         pool.free(list(reversed(blocks)))
         pool.free(list(reversed(held)))
-
-    def _stage(self, todo: list[tuple[bytes, memoryview]]) -> torch.Tensor:
-        """The payloads copied into the staging buffer: [n, *block_shape]."""
-        flat = self._staging_bytes
-        size = flat.shape[1]
-        for i, (_, payload) in enumerate(todo):
-            flat[i] = np.frombuffer(payload, dtype=np.uint8, count=size)
-        return self._staging[: len(todo)]
 
     # -- writes (engine thread side) ----------------------------------------------------------
 

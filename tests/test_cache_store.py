@@ -190,6 +190,45 @@ def test_redis_tier_stores_with_ttl_nx_and_refreshes_on_hits(redis_server) -> No
     t.close()
 
 
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_redis_tier_reads_values_straight_into_buffers(redis_server, protocol: int) -> None:
+    """get_into: one pipeline whose replies the tier reads off the socket itself, into the
+    caller's buffers (RESP2 and RESP3 nils). A value longer than its buffer fills it and
+    reports its whole length, and the replies after it still land where they belong. An
+    error reply (a key of another type) is a failure counted, every value a miss, and the
+    connection is usable again on the next call."""
+    t = RedisTier(f"{redis_server.url}?protocol={protocol}", ttl=100)
+    r = redis_server.client()
+    big = os.urandom(300_000)  # several socket reads
+    assert t.put_many([("k0", b"a" * 10), ("k1", big), ("k3", b"")]) == 3
+    r.expire("k1", 10)
+    bufs = [memoryview(bytearray(n)) for n in (10, 300_000, 5, 4, 4)]
+    assert t.get_into(["k0", "k1", "k2", "k3", "k1"], bufs) == [10, 300_000, None, 0, 300_000]
+    assert bytes(bufs[0]) == b"a" * 10 and bytes(bufs[1]) == big
+    assert bytes(bufs[4]) == big[:4]  # the caller sees the length: too long for its buffer
+    assert r.ttl("k1") > 95  # GETEX refreshed it
+    s = t.stats.as_dict()
+    assert s["hits"] == 4 and s["misses"] == 1 and s["errors"] == 0
+    assert s["bytes_read"] == 10 + 2 * 300_000
+    # after a value bigger than its buffer, the stream is still in step
+    assert t.get_into(["k0"], [memoryview(bytearray(10))]) == [10]
+    r.rpush("a-list", "x")
+    assert t.get_into(["k0", "a-list", "k1"], bufs[:3]) == [None, None, None]
+    assert t.stats.errors == 1
+    got = memoryview(bytearray(300_000))
+    assert t.get_into(["k1"], [got]) == [300_000] and bytes(got) == big
+    assert t.get_into([], []) == []
+    t.close()
+
+
+def test_tiers_without_their_own_get_into_copy_from_get_many() -> None:
+    t = MemoryTier(1 << 20)
+    t.put_many([("a", b"12345"), ("b", b"xy")])
+    bufs = [memoryview(bytearray(5)), memoryview(bytearray(1)), memoryview(bytearray(3))]
+    assert t.get_into(["a", "b", "c"], bufs) == [5, 2, None]
+    assert bytes(bufs[0]) == b"12345" and bytes(bufs[1]) == b"x"
+
+
 def test_redis_down_is_a_miss_counted_and_the_breaker_recovers() -> None:
     server = RedisServer()  # not started yet: nothing listens on its port
     now = [0.0]  # the breaker's clock, moved by hand
@@ -219,6 +258,7 @@ def test_redis_tier_on_a_port_that_never_answers_fails_fast() -> None:
     assert t.lookup(["x"]) == 0 and t.get_many(["x"]) == [None] and t.put_many([("x", b"")]) == 0
     assert time.monotonic() - t0 < 2.0
     assert t.stats.errors == 3 and t.state() == "breaker_open"
+    assert t.get_into(["x"], [memoryview(bytearray(1))]) == [None]  # (skipped: open)
 
 
 # -- stack -------------------------------------------------------------------------------
@@ -233,6 +273,12 @@ def test_stack_reads_through_and_promotes_into_memory(redis_server) -> None:
     assert stack.lookup(["k0", "k1", "k2", "k3", "k4"]) == 4  # prefix split between tiers
     assert stack.get_many(["k0", "k2", "k4"]) == [b"0", b"2", None]
     assert mem.get_many(["k0"]) == [b"0"]  # promoted
+    bufs = [memoryview(bytearray(1)) for _ in range(3)]
+    assert stack.get_into(["k1", "k2", "k4"], bufs) == [1, 1, None]
+    assert [bytes(b) for b in bufs[:2]] == [b"1", b"2"]
+    assert mem.get_many(["k1"]) == [b"1"]  # promoted from the buffer, as a copy
+    bufs[0][:] = b"z"
+    assert mem.get_many(["k1"]) == [b"1"]
     assert stack.put_many([("k5", b"5")]) == 1
     assert red.get_many(["k5"]) == [b"5"] and mem.get_many(["k5"]) == [b"5"]
     stack.close()
@@ -260,6 +306,8 @@ def test_redis_with_a_password_over_tls(tmp_path) -> None:
         tier = RedisTier(server.url)
         assert tier.put_many([("k1", value(1))]) == 1
         assert decode(bytes(tier.get_many(["k1"])[0]), 1) == PAYLOAD
+        into = memoryview(bytearray(len(value(1))))
+        assert tier.get_into(["k1"], [into]) == [len(into)] and decode(bytes(into), 1) == PAYLOAD
         assert tier.stats.as_dict()["errors"] == 0
         tier.close()
         for url in (server.url.replace("rediss://", "redis://").split("?")[0],  # plain TCP

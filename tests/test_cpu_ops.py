@@ -285,6 +285,23 @@ def test_cascade_groups_find_shared_whole_blocks_before_every_query() -> None:
     assert cascade_groups([[1, 2], [3, 4]], [20, 20], [1, 1], 16) == []
 
 
+def test_cascade_cost_rule_follows_the_matrix_unit() -> None:
+    """The shared-prefix rule's thresholds, at the points `tidewire bench cascade` measured:
+    with AMX tiles 8 members of 256 keys pay (1.26x there); on AVX-512 rows they lose
+    (0.78x on a Zen 4) and need 256 shared keys and 3,072 saved."""
+    from engine.attention.cpu import CpuAttention
+
+    attn = CpuAttention(9, 3, 64, 16, torch.float32, compiled=False)
+    pays = attn._cascade_pays  # (members, stacked rows, shared keys)
+    for tiles, taken, left in (
+            (True, [(8, 24, 256), (64, 192, 64), (16, 48, 128)], [(2, 6, 2048), (3, 9, 256)]),
+            (False, [(16, 48, 256), (8, 24, 2048), (64, 192, 2048), (4, 12, 2048)],
+             [(8, 24, 256), (64, 192, 64), (2, 6, 2048), (2, 8, 2048)])):
+        attn._tiles = tiles
+        assert all(pays(*g) for g in taken), (tiles, [g for g in taken if not pays(*g)])
+        assert not any(pays(*g) for g in left), (tiles, [g for g in left if pays(*g)])
+
+
 def test_paged_attention_amx_and_avx512_paths_agree() -> None:
     """The matrix unit sums the same bf16 products in another order: the two paths differ
     by rounding only (tighter than either's distance to the fp32 reference)."""

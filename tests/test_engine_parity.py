@@ -94,7 +94,9 @@ def test_shared_prefix_attention_stays_exact(tiny_models, monkeypatch) -> None:
     if not cpu_ops.available():
         pytest.skip("no C++ compiler: the compiled CPU kernels are unavailable")
     monkeypatch.setattr(CpuAttention, "CASCADE_MIN_ROWS", 0)
-    monkeypatch.setattr(CpuAttention, "CASCADE_MIN_SAVED_KEYS", 0)
+    for name in ("CASCADE_MIN_SAVED_KEYS", "CASCADE_MIN_SAVED_KEYS_VECTOR",
+                 "CASCADE_MIN_SHARED_KEYS_VECTOR"):
+        monkeypatch.setattr(CpuAttention, name, 0)
     path = tiny_models("llama", 0)
     # eager: the compiled decode step (batches of 8 or fewer) has its own attention
     llm = LLM(model=str(path), dtype="float32", block_size=16, max_num_batched_tokens=64,

@@ -113,6 +113,9 @@ class CpuAttention(AttentionBackend):
         self.cascade = os.environ.get("TIDEWIRE_CASCADE", "1") not in ("0", "false", "")
         self.cascade_steps = 0  # steps that took it (`tidewire bench cascade` reports it)
         self.q8 = kv_cache_dtype == "int8"
+        # the kernel stacks many query rows on AMX tiles (bf16 K/V and q): the cost rule's
+        # thresholds differ with it
+        self._tiles = compiled and not self.q8 and dtype == torch.bfloat16 and cpu_ops.amx()
         if self.q8:
             if not compiled:
                 raise ValueError("kv_cache_dtype int8 needs Tidewire's compiled CPU kernels (a "
@@ -144,7 +147,11 @@ class CpuAttention(AttentionBackend):
         if self.q8:
             kv.index_copy_(3, block_ids, data.permute(1, 2, 3, 0, 4))
             return
-        kv.index_copy_(3, block_ids, data.permute(1, 2, 4, 0, 3, 5))
+        # A copy per block: each moves runs of head_dim values between the two layouts,
+        # and one index_copy_ over all of them took 1.6x as long (a 3,008-token prefix of
+        # SmolLM2: 14.8 against 9.3 ms on the 2-core test machine).
+        for j, b in enumerate(block_ids.tolist()):
+            kv[:, :, :, b] = data[j].permute(0, 1, 3, 2, 4)
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata | PagedMetadata:
         if self.compiled:
@@ -186,14 +193,30 @@ class CpuAttention(AttentionBackend):
                              torch.tensor(starts, dtype=torch.int32),
                              len(layout.decode_seq_lens), self._cascade(tables, lens, q_lens))
 
-    # Shared-prefix attention's cost rule, measured on the compiled kernel (bf16, AMX
-    # Xeon, 9/3 heads, decodes, `tidewire bench cascade`): a group's fixed cost (a second
-    # pass and the merge, ~6-10 us) pays off once its members save reading about 1,000
-    # keys between them, and its stacked queries fill the matrix unit's 8-row minimum.
-    # Two members of 2,048 shared keys: 0.85x; 4 of 256: 1.08x; 8 of 256: 1.26x; 64 of 64:
-    # 1.15x; 64 of 2,048: 2.9x.
+    # Shared-prefix attention's cost rule, measured on the compiled kernel with
+    # `tidewire bench cascade` (bf16, 9/3 heads, decodes). A group's fixed cost is a second
+    # pass and the merge; what it buys depends on the matrix unit.
+    # - AMX (Xeon): it pays once the members save reading about 1,000 keys between them
+    #   and the stacked queries fill the tile's 8-row minimum. Two members of 2,048 shared
+    #   keys: 0.85x; 4 of 256: 1.08x; 8 of 256: 1.26x; 64 of 64: 1.15x; 64 of 2,048: 2.9x.
+    # - AVX-512 without AMX (Zen 4): the shared keys of a chat prompt stay in L2/L3, so the
+    #   plain decodes are not memory-bound and the stacked rows gain less. 8 of 256: 0.78x;
+    #   64 of 64: 0.74x; 4 of 2,048: 1.01x; 16 of 256: 1.10x; 8 of 2,048: 1.22x; 64 of
+    #   2,048: 1.55x. So at least 256 shared keys and 3,072 saved.
     CASCADE_MIN_ROWS = 8
-    CASCADE_MIN_SAVED_KEYS = 1024
+    CASCADE_MIN_SAVED_KEYS = 1024  # with AMX
+    CASCADE_MIN_SAVED_KEYS_VECTOR = 3072  # without: AVX-512 or AVX2 rows, fp32, an int8 cache
+    CASCADE_MIN_SHARED_KEYS_VECTOR = 256
+
+    def _cascade_pays(self, members: int, rows: int, keys: int) -> bool:
+        """The cost rule above for one group: `members` sequences stacking `rows` query
+        rows over `keys` shared keys."""
+        if rows < self.CASCADE_MIN_ROWS:
+            return False
+        saved = (members - 1) * keys
+        if self._tiles:
+            return saved >= self.CASCADE_MIN_SAVED_KEYS
+        return keys >= self.CASCADE_MIN_SHARED_KEYS_VECTOR and saved >= self.CASCADE_MIN_SAVED_KEYS_VECTOR
 
     def _cascade(self, tables: list[list[int]], lens: list[int],
                  q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -202,9 +225,7 @@ class CpuAttention(AttentionBackend):
         members: list[int] = []
         offsets, shared = [0], []
         for group, keys in cascade_groups(tables, lens, q_lens, self.block_size):
-            rows = sum(q_lens[i] for i in group) * self.group
-            if (rows >= self.CASCADE_MIN_ROWS
-                    and (len(group) - 1) * keys >= self.CASCADE_MIN_SAVED_KEYS):
+            if self._cascade_pays(len(group), sum(q_lens[i] for i in group) * self.group, keys):
                 members += group
                 offsets.append(len(members))
                 shared.append(keys)
