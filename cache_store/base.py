@@ -90,6 +90,10 @@ class KVTier(ABC):
     def delete(self, keys: Sequence[str]) -> None:
         """Drop keys (a corrupt value, found by the engine's codec)."""
 
+    def warm(self) -> None:  # noqa: B027 - optional hook
+        """Open what the first real call would (a connection): the I/O worker calls it
+        once when it starts, so a replica's first tier hit does not pay for it."""
+
     def state(self) -> str:
         """"ok", or a word saying why the tier is not being used right now."""
         return "ok"

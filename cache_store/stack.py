@@ -82,6 +82,10 @@ class TierStack(KVTier):
         for t in self.tiers:
             t.delete(keys)
 
+    def warm(self) -> None:
+        for t in self.tiers:
+            t.warm()
+
     def state(self) -> str:
         bad = [f"{t.name}:{t.state()}" for t in self.tiers if t.state() != "ok"]
         return ",".join(bad) or "ok"

@@ -207,6 +207,7 @@ class TierWorker:
     # -- the I/O thread ---------------------------------------------------------------------------
 
     def _work(self) -> None:
+        self.tier.warm()
         while True:
             with self._cv:
                 while not (self._load_q or self._write_q or self._stopping):

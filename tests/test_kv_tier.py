@@ -248,6 +248,21 @@ def test_a_load_arrives_in_chunks_put_in_while_the_rest_is_read(tiny_models, red
     llm.close()
 
 
+def test_the_io_worker_connects_to_redis_before_the_first_request(tiny_models,
+                                                                    redis_server) -> None:
+    """The worker opens its Redis connection when it starts (KVTier.warm), so the first
+    hit of a fresh replica does not pay for the handshake."""
+    r = redis_server.client()
+    before = len(r.client_list())
+    llm = _redis_only(tiny_models("llama", 0), redis_server.url)
+    deadline = time.monotonic() + 10
+    while len(r.client_list()) <= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(r.client_list()) == before + 1 and llm.engine.offload.tier.stats.errors == 0
+    assert llm.engine.offload.tier.stats.lookups == 0  # nothing asked yet
+    llm.close()
+
+
 def test_redis_down_before_the_run(tiny_models) -> None:
     from tests.servers import RedisServer
 
