@@ -33,6 +33,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="registry name, HF model directory or .gguf file (see `tidewire models`)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16/AMX, else float32")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: the CPU's int8 KV cache, whose blocks (and tier values) are "
+                        "about half the bytes of bf16")
     p.add_argument("--attention-backend", default=None, choices=["cpu", "cuda"],
                    help="default: cuda when a GPU is present")
     p.add_argument("--prefix-tokens", type=int, default=2000,
@@ -87,7 +90,7 @@ def _llm(a: argparse.Namespace, **kw: Any) -> Any:
     from engine import LLM
 
     llm = LLM(model=a.model, dtype=a.dtype, max_num_batched_tokens=512,
-              attention_backend=a.attention_backend, **kw)
+              attention_backend=a.attention_backend, kv_cache_dtype=a.kv_cache_dtype, **kw)
     llm.engine.warm_up()
     return llm
 
@@ -198,6 +201,7 @@ def main(a: argparse.Namespace) -> int:
     url = a.redis_url or (server.url if server is not None else "")
     try:
         result: dict[str, Any] = {"model": a.model, "dtype": a.dtype,
+                                  "kv_cache_dtype": a.kv_cache_dtype,
                                   "attention_backend": a.attention_backend,
                                   "prefix_tokens": a.prefix_tokens}
         if "ttft" in parts:

@@ -33,33 +33,6 @@ inline __m512 exp_for_bf16(__m512 x) {
   return exp_by_poly(x, kDegree4);
 }
 
-// out[i][j] = in[j][i] for a 16 x 16 matrix of 32-bit values (in: its 16 rows; out rows
-// `out_stride` apart, in 32-bit units).
-inline void transpose16x16_epi32(const uint32_t* const* in, uint32_t* out, int64_t out_stride) {
-  __m512i r[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in[i]);
-  transpose16x16(r);
-  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + j * out_stride, r[j]);  // column j
-}
-
-// The key tile as pairs of dims, kp[i][k] = (K[k][2 i], K[k][2 i + 1]) for keys k < nk
-// and zeros up to the next multiple of 16 keys: the B operands of the scores.
-template <int ND>
-inline void pair_keys(const c10::BFloat16* const* krows, int nk, uint32_t* kp) {
-  constexpr int NP = ND * kLanes / 2;  // pairs of dims a row
-  static const uint32_t zeros[16] = {};
-  for (int k0 = 0; k0 < nk; k0 += 16) {
-    const uint32_t* rows[16];
-    for (int k = 0; k < 16; ++k)
-      rows[k] = k0 + k < nk ? reinterpret_cast<const uint32_t*>(krows[k0 + k]) : zeros;
-    for (int i0 = 0; i0 < NP; i0 += 16) {
-      const uint32_t* in[16];
-      for (int k = 0; k < 16; ++k) in[k] = rows[k] == zeros ? zeros : rows[k] + i0;
-      transpose16x16_epi32(in, kp + i0 * kKeyTile + k0, kKeyTile);
-    }
-  }
-}
-
 // Scores of query rows [r0, r1) (bf16 [row][D] in qb; r0 a multiple of 16) against the
 // key tile kp (pair_keys; nk keys), unscaled, into s [row][kKeyTile]. Rows up to the next
 // multiple of 16 are computed too (from whatever qb holds there) and left unused.

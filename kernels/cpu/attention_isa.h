@@ -194,13 +194,11 @@ inline void scores_by_tile_bf16(const c10::BFloat16* qb, float scale, int rows,
                                 const c10::BFloat16* const* krows, int nk, float* buf, float* s) {
   constexpr int NP = ND * kLanes / 2;
   uint32_t* kp = reinterpret_cast<uint32_t*>(buf);
-  for (int k = 0; k < nk; ++k) {
-    uint32_t pairs[NP];
-    std::memcpy(pairs, krows[k], sizeof(pairs));
-    for (int i = 0; i < NP; ++i) kp[i * kKeyTile + k] = pairs[i];
-  }
-  for (int k = nk; k < kKeyTile; ++k)
-    for (int i = 0; i < NP; ++i) kp[i * kKeyTile + k] = 0;
+  pair_keys<ND>(krows, nk, kp);  // 16 x 16 transposes in registers
+  const int filled = (nk + 15) / 16 * 16;  // (zeros from nk up to here)
+  if (filled < kKeyTile)
+    for (int i = 0; i < NP; ++i)
+      std::memset(kp + i * kKeyTile + filled, 0, (kKeyTile - filled) * sizeof(uint32_t));
   const uint32_t* qp = reinterpret_cast<const uint32_t*>(qb);
   auto block = [&](int r, auto rb) {
     constexpr int RB = decltype(rb)::value;
