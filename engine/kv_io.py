@@ -64,6 +64,7 @@ class ChunkBuffer:
         block_bytes = math.prod(fmt.shape) * fmt.itemsize
         pad = -(-hsize // 64) * 64  # where a payload starts in its slot
         step = -(-(pad + block_bytes) // 64) * 64
+        self.block_bytes = block_bytes
         self.raw = torch.zeros(slots * step, dtype=torch.uint8)  # (touched: zeros)
         flat = memoryview(self.raw.numpy().data)
         # what the tier writes into: a whole stored value, header then payload
@@ -263,7 +264,7 @@ class TierWorker:
                     break
                 good.append(h)
             self.stats.load_blocks += len(good)
-            self.stats.load_bytes += len(good) * len(buf.values[0])
+            self.stats.load_bytes += len(good) * buf.block_bytes
             with job.lock:
                 if good and not job.cancelled:
                     job.chunks.append(LoadedChunk(buf, good))
