@@ -155,9 +155,12 @@ class RedisTier(KVTier):
                 conn.send_packed_command(conn.pack_commands(
                     [("GETEX", k, "EX", self.ttl) for k in keys]))
                 return _read_bulk_replies(conn._sock, bufs[: len(keys)])  # noqa: SLF001 - see above
-            except BaseException:
+            except (redis.RedisError, OSError):
                 conn.disconnect()
                 raise
+            except Exception as e:  # whatever else: counted as a failure, like the others
+                conn.disconnect()
+                raise redis.RedisError(f"reading GETEX replies: {e!r}") from e
             finally:
                 pool.release(conn)
 
@@ -207,7 +210,6 @@ def _read_bulk_replies(sock: socket.socket | None, bufs: Sequence[memoryview]) -
     head = bytearray(1 << 16)  # reply lines, and whatever arrives after them
     view = memoryview(head)
     start = end = 0
-    nowhere = memoryview(bytearray())  # (read's dest for bytes to drop)
     out: list[int | None] = []
     error: bytes | None = None
 
@@ -257,9 +259,12 @@ def _read_bulk_replies(sock: socket.socket | None, bufs: Sequence[memoryview]) -
             try:
                 n = int(rest)
             except ValueError:
-                raise redis.ResponseError(f"a bad bulk length: {first[:40]!r}") from None
+                n = -2
+            if n < 0:
+                raise redis.ResponseError(f"a bad bulk length: {first[:40]!r}")
             read(buf, n)
-            read(nowhere, 2)  # its CRLF
+            if line():  # the value's CRLF: an empty line
+                raise redis.ResponseError("a bulk reply longer than its length")
             out.append(n)
         elif kind == b"_" or (kind == b"$" and rest == b"-1"):
             out.append(None)

@@ -208,7 +208,10 @@ class TierWorker:
     # -- the I/O thread ---------------------------------------------------------------------------
 
     def _work(self) -> None:
-        self.tier.warm()
+        try:
+            self.tier.warm()
+        except Exception:  # noqa: BLE001 - a tier that raises is a miss later, not a dead thread
+            log.exception("kv tier warm-up failed")
         while True:
             with self._cv:
                 while not (self._load_q or self._write_q or self._stopping):
@@ -236,7 +239,6 @@ class TierWorker:
         say where the tier's run of blocks ends (the first value missing), so no round
         trip asks about every key."""
         t0 = time.monotonic()
-        f = self.fmt
         if not job.cancelled:
             job.found = self.tier.lookup(job.keys[:1])
             job.looked_up.set()
@@ -246,30 +248,15 @@ class TierWorker:
             if buf is None:
                 break
             part = job.keys[pos : pos + buf.slots]
-            good = []
-            values = buf.values[: len(part)]
-            for key, h, n, value in zip(part, job.hashes[pos:], self.tier.get_into(part, values),
-                                        values):
-                if n is None:
-                    break  # gone (or never there): recompute from here
-                try:
-                    if n > len(value):
-                        raise CorruptValue("longer than a block")
-                    decode_block(value[:n], f.fingerprint, h, f.dtype_name, f.shape,
-                                 f.itemsize, f.mac_key)
-                except CorruptValue as e:
-                    log.warning("corrupt kv block %s (%s): deleted", key, e)
-                    self.stats.corrupt += 1
-                    self.tier.delete([key])
-                    break
-                good.append(h)
-            self.stats.load_blocks += len(good)
-            self.stats.load_bytes += len(good) * buf.block_bytes
-            with job.lock:
-                if good and not job.cancelled:
-                    job.chunks.append(LoadedChunk(buf, good))
-                else:
-                    self._free_bufs.put(buf)
+            good: list[bytes] = []
+            try:
+                good = self._read_chunk(job, pos, part, buf)
+            finally:  # (also when the tier raised: the buffer is never lost)
+                with job.lock:
+                    if good and not job.cancelled:
+                        job.chunks.append(LoadedChunk(buf, good))
+                    else:
+                        self._free_bufs.put(buf)
             pos += len(part)
             if len(good) < len(part):
                 break
@@ -277,6 +264,31 @@ class TierWorker:
         self.stats.load_seconds += time.monotonic() - t0
         job.done = True
         self.arrived.set()
+
+    def _read_chunk(self, job: LoadJob, pos: int, part: list[str], buf: ChunkBuffer) -> list[bytes]:
+        """The values of keys `part` (from job.keys[pos]) read into buf and checked: the
+        hashes of the leading run that arrived whole and sound."""
+        f = self.fmt
+        good = []
+        values = buf.values[: len(part)]
+        for key, h, n, value in zip(part, job.hashes[pos:], self.tier.get_into(part, values),
+                                    values):
+            if n is None:
+                break  # gone (or never there): recompute from here
+            try:
+                if n > len(value):
+                    raise CorruptValue("longer than a block")
+                decode_block(value[:n], f.fingerprint, h, f.dtype_name, f.shape, f.itemsize,
+                             f.mac_key)
+            except CorruptValue as e:
+                log.warning("corrupt kv block %s (%s): deleted", key, e)
+                self.stats.corrupt += 1
+                self.tier.delete([key])
+                break
+            good.append(h)
+        self.stats.load_blocks += len(good)
+        self.stats.load_bytes += len(good) * buf.block_bytes
+        return good
 
     def _buffer_for(self, job: LoadJob) -> ChunkBuffer | None:
         """A free chunk buffer (the engine thread gives them back as it empties them);

@@ -197,9 +197,23 @@ class KVOffload:
         hits); the tier lacks the rest, or was too slow to tell."""
         if cancel:
             self.worker.give_back(job, cancel=True)
-        job.req.num_host_cached_tokens = job.inserted * self.kv.block_size
+        reach = len(self._chain(job)) - job.first  # (what of the load the admission will hit)
+        job.req.num_host_cached_tokens = max(0, reach) * self.kv.block_size
         if job.found >= 0:
             self._forget(job.hashes[job.inserted:])
+
+    def _chain(self, job: LoadJob) -> list:
+        """The pool's blocks of the request's chain from its first block: the device's
+        prefix, then what the load put in, up to the first one missing. Blocks put in are
+        free between polls, so another request's allocation may have evicted one."""
+        pool = self.kv.pool
+        held = []
+        for h in job.req.block_hashes[: job.first] + job.hashes[: job.inserted]:
+            b = pool.lookup(h)
+            if b is None:
+                break
+            held.append(b)
+        return held
 
     def _insert(self, job: LoadJob) -> None:
         """Put the chunks that arrived since the last call into the pool and give their
@@ -218,12 +232,10 @@ class KVOffload:
         # Hold the chain so far while this allocation makes room: the device's prefix and
         # the blocks earlier chunks put in are the oldest free memory, the first thing the
         # allocation would evict, breaking the chain these blocks continue.
-        held = []
-        for h in job.req.block_hashes[: job.first] + job.hashes[: job.inserted]:
-            b = pool.lookup(h)
-            if b is None:
-                break
-            held.append(b)
+        held = self._chain(job)
+        if len(held) < job.first + job.inserted:  # broken since the last chunk (evicted):
+            job.inserted += len(chunk.hashes)  # no prefix hit can reach past the gap
+            return
         todo = []  # slots of the chunk the pool lacks (another request may have computed
         for i, h in enumerate(chunk.hashes):  # the others meanwhile)
             if pool.lacks(h):

@@ -221,6 +221,51 @@ def test_redis_tier_reads_values_straight_into_buffers(redis_server, protocol: i
     t.close()
 
 
+def _parse(data: bytes, sizes: list[int]) -> tuple[list[int | None], list[bytes]]:
+    """_read_bulk_replies over a socket pair, `data` written by a thread in 7-byte
+    pieces (so lines and values arrive split across reads)."""
+    import socket
+    import threading
+
+    from cache_store.redis_tier import _read_bulk_replies
+
+    a, b = socket.socketpair()
+
+    def write() -> None:
+        for i in range(0, len(data), 7):
+            a.sendall(data[i : i + 7])
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        bufs = [memoryview(bytearray(n)) for n in sizes]
+        return _read_bulk_replies(b, bufs), [bytes(x) for x in bufs]
+    finally:
+        writer.join()
+        a.close()
+        b.close()
+
+
+def test_the_bulk_reply_reader_on_crafted_streams() -> None:
+    """The Redis tier's own reader of GETEX replies: values, RESP2 and RESP3 nils, an
+    empty value, a value longer than its buffer (its start kept, the rest dropped, the
+    next reply in step), lines that straddle the end of its 64 KiB line buffer, and the
+    malformed replies it refuses (as Redis errors: counted, the connection dropped)."""
+    import redis
+
+    got = _parse(b"$3\r\nabc\r\n$-1\r\n_\r\n$0\r\n\r\n$5\r\nhello\r\n$2\r\nok\r\n",
+                 [3, 1, 1, 1, 2, 2])
+    assert got == ([3, None, None, 0, 5, 2], [b"abc", b"\0", b"\0", b"\0", b"he", b"ok"])
+    many = 12_000  # 7 bytes a reply: the 64 KiB buffer's end falls inside some line
+    lens, vals = _parse(b"".join(b"$1\r\n%c\r\n" % (97 + i % 26) for i in range(many)), [1] * many)
+    assert lens == [1] * many and vals == [bytes([97 + i % 26]) for i in range(many)]
+    for bad, replies, match in ((b"$-2\r\n", 1, "bulk length"), (b"$x\r\n", 1, "bulk length"),
+                                (b"$2\r\nabcd\r\n", 1, "longer than its length"),
+                                (b"+OK\r\n", 1, "unexpected reply"),
+                                (b"-WRONGTYPE no\r\n$1\r\nz\r\n", 2, "WRONGTYPE")):
+        with pytest.raises(redis.ResponseError, match=match):
+            _parse(bad, [4] * replies)
+
+
 def test_tiers_without_their_own_get_into_copy_from_get_many() -> None:
     t = MemoryTier(1 << 20)
     t.put_many([("a", b"12345"), ("b", b"xy")])

@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from cache_store import RedisTier, encode_block
 from cache_store.codec import HEADER_SIZE, MAC_HEADER_SIZE
 from engine import LLM, SamplingParams
 from engine.block_manager import hash_block, root_hash
+import engine.kv_io
 from engine.kv_io import BlockFormat, tier_key
 from engine.kv_offload import kv_fingerprint
 from tests.conftest import hf_greedy, run_side_by_side
@@ -199,21 +201,53 @@ def _redis_only(path: Path, url: str, **kw) -> LLM:
     return make_llm(path, kv_tier="redis", redis_url=url, kv_tier_memory=0, **kw)
 
 
-def test_a_load_arrives_in_chunks_put_in_while_the_rest_is_read(tiny_models, redis_server,
-                                                                 monkeypatch) -> None:
-    """A prefix of 12 blocks read 2 values a round trip through 2 chunk buffers: the
-    worker waits for the engine thread to empty a buffer before it reads on, the engine
-    puts chunks into the pool before the last has arrived, and the output is HF's.
-    A request aborted while its prefix loads gives every buffer back."""
+class GatedTier(RedisTier):
+    """A real Redis whose reads after the first `free` chunks wait for `gate`; `fail`
+    makes them raise something that is not a Redis error instead."""
+
+    def __init__(self, url: str, free: int = 1) -> None:
+        super().__init__(url)
+        self.gate, self.free, self.fail, self.reads = threading.Event(), free, False, 0
+
+    def get_into(self, keys, bufs):  # noqa: ANN001, ANN201
+        self.reads += 1
+        if self.reads > self.free:
+            assert self.gate.wait(10)
+            if self.fail:
+                raise RuntimeError("a tier that raises")
+        return super().get_into(keys, bufs)
+
+
+def _chunked(path: Path, url: str, monkeypatch, tier: RedisTier | None = None) -> LLM:
+    """Loads of 2 values a round trip through 2 chunk buffers."""
     import engine.kv_io
 
     monkeypatch.setattr(engine.kv_io, "LOAD_CHUNK", 2)
     monkeypatch.setattr(engine.kv_io, "LOAD_BUFFERS", 2)
+    llm = _redis_only(path, url)
+    if tier is not None:
+        off = llm.engine.offload
+        off.tier = off.worker.tier = tier
+    return llm
+
+
+def _buffers_back(off, n: int = 2) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + 10
+    while off.worker._free_bufs.qsize() < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return off.worker._free_bufs.qsize() == n
+
+
+def test_a_load_arrives_in_chunks_put_in_while_the_rest_is_read(tiny_models, redis_server,
+                                                                 monkeypatch) -> None:
+    """A prefix of 12 blocks read 2 values a round trip through 2 chunk buffers: the
+    worker waits for the engine thread to empty a buffer before it reads on, the engine
+    puts chunks into the pool before the last has arrived, and the output is HF's."""
     path = tiny_models("llama", 0)
-    ps = prompts(11, n=1, prefix_len=12 * BS) + prompts(12, n=1, prefix_len=12 * BS)
-    ref = hf_greedy(path, ps[:1], MAX_TOKENS)
+    ps = prompts(11, n=1, prefix_len=12 * BS)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
     _populate(path, redis_server.url, ps)
-    llm = _redis_only(path, redis_server.url)
+    llm = _chunked(path, redis_server.url, monkeypatch)
     off = llm.engine.offload
     seen = []  # (blocks arrived, job done) each time the engine put a chunk in
     real = off._insert_chunk
@@ -222,29 +256,89 @@ def test_a_load_arrives_in_chunks_put_in_while_the_rest_is_read(tiny_models, red
         seen.append((job.num_arrived, job.done))
         return real(job, chunk)
     monkeypatch.setattr(off, "_insert_chunk", spy)
-    toks, host = run(llm, ps[:1])
+    toks, host = run(llm, ps)
     assert toks == ref and host[0] >= 12 * BS
-    assert len(seen) >= 6 and not seen[0][1]  # the first chunk went in before the load ended
-    assert max(n for n, _ in seen) <= 12 and off.worker._free_bufs.qsize() == 2
+    blocks = (len(ps[0]) - 1) // BS  # (the tier has every full block; one token is left)
+    assert len(seen) == -(-blocks // 2) and not seen[0][1]  # the first chunk went in before
+    # the load ended
+    assert _buffers_back(off)
+    llm.close()
 
-    # an abort while loading (another prefix): the job is cancelled and its buffers
-    # come back
-    eng = llm.engine
+
+def test_a_load_aborted_or_failing_mid_way_gives_every_buffer_back(tiny_models, redis_server,
+                                                                   monkeypatch) -> None:
+    """Chunks still to come when the request is aborted; a tier that raises something
+    other than a Redis error in the middle of a load: the buffers all come back, the
+    worker lives on, and the failed load's request recomputes what did not arrive."""
+    path = tiny_models("llama", 0)
+    ps = prompts(12, n=1, prefix_len=12 * BS) + prompts(13, n=1, prefix_len=12 * BS)
+    ref = hf_greedy(path, ps[1:], MAX_TOKENS)
+    _populate(path, redis_server.url, ps)
+    tier = GatedTier(redis_server.url)
+    llm = _chunked(path, redis_server.url, monkeypatch, tier)
+    eng, off = llm.engine, llm.engine.offload
     sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    eng.add(eng.make_request(ps[1], sp, "gone"))
+    eng.add(eng.make_request(ps[0], sp, "gone"))
     eng.step()
-    assert "gone" in eng.scheduler.loading
     job = off._loads["gone"]
-    eng.abort(["gone"])
+    assert "gone" in eng.scheduler.loading and not job.done
+    eng.abort(["gone"])  # one chunk read, the worker held at the second
+    tier.gate.set()
     while eng.has_unfinished():
         eng.step()
-    deadline = time.monotonic() + 10
-    while not job.done and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert job.done and job.cancelled and not off._loads
-    assert off.worker._free_bufs.qsize() == 2
+    assert _buffers_back(off) and job.done and job.cancelled and not off._loads
+    tier.gate.clear()
+    tier.fail, tier.reads = True, 0
+    threading.Timer(0.05, tier.gate.set).start()
+    toks, host = run(llm, ps[1:])
+    assert toks == ref and host == [2 * BS]  # the first chunk, then the failure
+    assert _buffers_back(off) and off.worker.thread.is_alive()
     eng.kv.check_integrity()
     assert eng.kv.num_free_blocks == eng.num_blocks
+    llm.close()
+
+
+def test_a_load_whose_blocks_are_evicted_between_chunks_stops_at_the_gap(
+        tiny_models, redis_server, monkeypatch) -> None:
+    """Blocks a load has put in are free until the load ends: another request's
+    allocation may evict them. The chunks after such a gap are not put in (no prefix
+    hit could reach them), the request counts only what it can hit, and recomputes."""
+    path = tiny_models("llama", 0)
+    ps = prompts(14, n=1, prefix_len=12 * BS)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    _populate(path, redis_server.url, ps)
+    llm = _chunked(path, redis_server.url, monkeypatch)
+    off = llm.engine.offload
+    pool = llm.engine.kv.pool
+    real = off._insert_chunk
+    calls, allocated = [], []
+    real_allocate = pool.allocate
+
+    def evict_first_then_insert(job, chunk):  # noqa: ANN001, ANN202
+        calls.append(job.inserted)
+        if len(calls) == 2:  # another request's allocation takes every free block
+            pool.give_back(real_allocate(pool.num_free))
+        return real(job, chunk)
+
+    def allocate(n):  # noqa: ANN001, ANN202
+        if len(calls) >= 2:
+            allocated.append(n)
+        return real_allocate(n)
+    monkeypatch.setattr(off, "_insert_chunk", evict_first_then_insert)
+    monkeypatch.setattr(pool, "allocate", allocate)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    eng.add(eng.make_request(ps[0], sp, "r"))
+    toks = []
+    while eng.has_unfinished():
+        for o in eng.step():
+            toks += o.new_token_ids
+            host = o.num_host_cached_tokens
+    assert toks == ref[0] and host == 0
+    blocks = (len(ps[0]) - 1) // BS
+    assert calls == list(range(0, blocks, 2))  # every chunk arrived and was looked at
+    # after the gap no chunk took a block: the allocations after it are the request's own
+    assert off.stats.load_blocks == blocks and sum(allocated) <= -(-len(ps[0]) // BS) + 1
     llm.close()
 
 
@@ -447,6 +541,7 @@ def test_evicted_between_lookup_and_load_or_too_slow(tiny_models, redis_server,
         assert max(host) == 2 * BS and off.stats.load_blocks >= 2  # up to the evicted block
     else:
         assert host == [0, 0, 0] and off.stats.load_timeouts >= 1
+    assert _buffers_back(off, engine.kv_io.LOAD_BUFFERS)
     llm.close()
 
 
@@ -470,6 +565,7 @@ def test_no_leaks_after_1000_requests_with_tier_traffic(tiny_models) -> None:
     assert not eng.scheduler.requests and not eng.scheduler.loading and not off._loads
     assert not len(eng.outputs) and not eng.runner._generators and not eng.lifecycle.parents
     assert mem.stats.hits > 100 and off.stats.written_blocks > 100  # it really cycled
+    assert off.worker._free_bufs.qsize() == engine.kv_io.LOAD_BUFFERS
     # the write-dedupe set is bounded by the blocks the tier can hold (older entries are
     # surely stale), not by its 2**18 ceiling (~45 MB, which grew a soak's heap)
     value_bytes = HEADER_SIZE + off.block_bytes

@@ -115,7 +115,8 @@ class CpuAttention(AttentionBackend):
         self.q8 = kv_cache_dtype == "int8"
         # the kernel stacks many query rows on AMX tiles (bf16 K/V and q): the cost rule's
         # thresholds differ with it
-        self._tiles = compiled and not self.q8 and dtype == torch.bfloat16 and cpu_ops.amx()
+        self._tiles = (compiled and not self.q8 and dtype == torch.bfloat16 and head_dim % 32 == 0
+                       and cpu_ops.amx())
         if self.q8:
             if not compiled:
                 raise ValueError("kv_cache_dtype int8 needs Tidewire's compiled CPU kernels (a "
