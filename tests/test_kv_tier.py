@@ -231,6 +231,16 @@ def _chunked(path: Path, url: str, monkeypatch, tier: RedisTier | None = None) -
     return llm
 
 
+def _chunked_hit(path: Path, url: str, monkeypatch, seed: int  # noqa: ANN001
+                 ) -> tuple[list[list[int]], list[list[int]], LLM]:
+    """A prompt whose 12-block prefix (and any full block after it) is in Redis, HF's
+    greedy tokens for it, and a _chunked engine that will load it."""
+    ps = prompts(seed, n=1, prefix_len=12 * BS)
+    ref = hf_greedy(path, ps, MAX_TOKENS)
+    _populate(path, url, ps)
+    return ps, ref, _chunked(path, url, monkeypatch)
+
+
 def _buffers_back(off, n: int = 2) -> bool:  # noqa: ANN001
     deadline = time.monotonic() + 10
     while off.worker._free_bufs.qsize() < n and time.monotonic() < deadline:
@@ -243,11 +253,7 @@ def test_a_load_arrives_in_chunks_put_in_while_the_rest_is_read(tiny_models, red
     """A prefix of 12 blocks read 2 values a round trip through 2 chunk buffers: the
     worker waits for the engine thread to empty a buffer before it reads on, the engine
     puts chunks into the pool before the last has arrived, and the output is HF's."""
-    path = tiny_models("llama", 0)
-    ps = prompts(11, n=1, prefix_len=12 * BS)
-    ref = hf_greedy(path, ps, MAX_TOKENS)
-    _populate(path, redis_server.url, ps)
-    llm = _chunked(path, redis_server.url, monkeypatch)
+    ps, ref, llm = _chunked_hit(tiny_models("llama", 0), redis_server.url, monkeypatch, 11)
     off = llm.engine.offload
     seen = []  # (blocks arrived, job done) each time the engine put a chunk in
     real = off._insert_chunk
@@ -303,11 +309,7 @@ def test_a_load_whose_blocks_are_evicted_between_chunks_stops_at_the_gap(
     """Blocks a load has put in are free until the load ends: another request's
     allocation may evict them. The chunks after such a gap are not put in (no prefix
     hit could reach them), the request counts only what it can hit, and recomputes."""
-    path = tiny_models("llama", 0)
-    ps = prompts(14, n=1, prefix_len=12 * BS)
-    ref = hf_greedy(path, ps, MAX_TOKENS)
-    _populate(path, redis_server.url, ps)
-    llm = _chunked(path, redis_server.url, monkeypatch)
+    ps, ref, llm = _chunked_hit(tiny_models("llama", 0), redis_server.url, monkeypatch, 14)
     off = llm.engine.offload
     pool = llm.engine.kv.pool
     real = off._insert_chunk
