@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,30 +43,43 @@ def test_bench_kernels_without_a_gpu_says_so_and_exits_0(capsys) -> None:
     assert "no CUDA GPU" in capsys.readouterr().out
 
 
-def test_cli_bounds_openmp_spinning_before_torch_loads() -> None:
-    """GOMP_SPINCOUNT is read once, when torch loads libgomp: the CLI sets its default
-    before anything imports torch, and keeps a value the user set. (Parsing the command
-    line imports no torch at all; the engine, imported after, loads it.)"""
+def test_cli_sets_openmp_and_allocator_env_before_torch_loads() -> None:
+    """GOMP_SPINCOUNT is read once, when torch loads libgomp, and THP_MEM_ALLOC_ENABLE
+    once, at torch's first CPU allocation: the CLI sets their defaults before anything
+    imports torch, and keeps values the user set. (Parsing the command line imports no
+    torch at all; the engine, imported after, loads it.) With the default, a large
+    allocation gets transparent huge pages (where the kernel allows them)."""
     probe = "\n".join([
         "import builtins, os",
         "seen, real = [], builtins.__import__",
         "def spy(name, *a, **k):",
         "    if name == 'torch' and not seen:",
         "        seen.append(os.environ.get('GOMP_SPINCOUNT'))",
+        "        seen.append(os.environ.get('THP_MEM_ALLOC_ENABLE'))",
         "    return real(name, *a, **k)",
         "builtins.__import__ = spy",
         "import service.cli, sys",
         "assert 'torch' not in sys.modules",
         "service.cli.build_parser().parse_args(['serve'])",
         "assert 'torch' not in sys.modules",
-        "import engine.loader",
+        "import engine.loader, torch",
+        "def huge():",
+        "    with open('/proc/self/smaps_rollup') as f:",
+        "        return sum(int(x.split()[1]) for x in f if x.startswith('AnonHugePages'))",
+        "before = huge()",
+        "t = torch.ones(40 << 20, dtype=torch.uint8)",
+        "seen.append(huge() > before)",
         "print(seen)",
     ])
-    base = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
-    for extra, want in (({}, "10000"), ({"GOMP_SPINCOUNT": "77"}, "77")):
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    huge = thp.exists() and "[never]" not in thp.read_text()  # (else no huge page comes)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("GOMP_SPINCOUNT", "THP_MEM_ALLOC_ENABLE")}
+    for extra, want in (({}, ["10000", "1"] + [True] * huge),
+                        ({"GOMP_SPINCOUNT": "77", "THP_MEM_ALLOC_ENABLE": "0"}, ["77", "0"])):
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                              timeout=120, check=True, env=base | extra)
-        assert out.stdout.strip() == repr([want])
+        assert eval(out.stdout.strip())[: len(want)] == want  # noqa: S307 - our own repr
 
 
 def test_serve_async_output_flag_and_env(monkeypatch) -> None:

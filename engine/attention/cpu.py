@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +17,12 @@ from engine.attention.base import (AttentionBackend, PagedMetadata, PrefillSpec,
                                    cascade_groups)
 from kernels import cpu_ops
 from kernels import reference as ref
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array of bytes (the last dimension in bytes):
+    numpy has no bfloat16."""
+    return t.view(torch.uint8).numpy()
 
 
 def bucket_decodes(num_blocks: list[int], min_rows: int = 8, ratio: float = 0.5,
@@ -138,21 +145,34 @@ class CpuAttention(AttentionBackend):
         return super().block_shape(num_layers)
 
     def gather_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        if self.q8:  # [layers, 2, kv_heads, n, bytes] -> [n, layers, 2, kv_heads, bytes]
-            return kv.index_select(3, block_ids).permute(3, 0, 1, 2, 4)
-        # [layers, 2, kv_heads, n, bs, d] -> [n, layers, 2, bs, kv_heads, d]
-        return kv.index_select(3, block_ids).permute(3, 0, 1, 4, 2, 5)
+        # One copy a block, by numpy (see scatter_blocks), straight into the canonical
+        # layout: an index_select, then a permuted copy on the way to the tier, took
+        # twice the memory traffic, on torch's OpenMP pool, on the engine thread.
+        ids = block_ids.tolist()
+        out = kv.new_empty((len(ids), *self.block_shape(kv.shape[0])))
+        src, dst = _bytes(kv), _bytes(out)
+        for j, b in enumerate(ids):
+            if self.q8:  # [layers, 2, kv_heads, n, bytes] -> [n, layers, 2, kv_heads, bytes]
+                np.copyto(dst[j], src[:, :, :, b])
+            else:  # [layers, 2, kv_heads, n, bs, d] -> [n, layers, 2, bs, kv_heads, d]
+                np.copyto(dst[j], src[:, :, :, b].transpose(0, 1, 3, 2, 4))
+        return out
 
     def scatter_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor,
                        data: torch.Tensor) -> None:
-        if self.q8:
-            kv.index_copy_(3, block_ids, data.permute(1, 2, 3, 0, 4))
-            return
-        # A copy per block: each moves runs of head_dim values between the two layouts,
-        # and one index_copy_ over all of them took 1.6x as long (a 3,008-token prefix of
-        # SmolLM2: 14.8 against 9.3 ms on the 2-core test machine).
+        # A copy per block, by numpy: each moves runs of head_dim values between the two
+        # layouts (one index_copy_ over all of them took 1.6x as long). numpy copies on
+        # this thread without the GIL; torch's copies of this size run on its OpenMP pool,
+        # and while a tier load streams in, Redis and the I/O thread hold the cores: a
+        # 16-block chunk then waited for a descheduled pool thread, 13-30 ms instead of
+        # ~1.5 (a 3,008-token Redis hit on the 2-core test machine).
+        assert data.dtype == kv.dtype, (data.dtype, kv.dtype)  # (bytes are copied as they are)
+        dst, src = _bytes(kv), _bytes(data)
         for j, b in enumerate(block_ids.tolist()):
-            kv[:, :, :, b] = data[j].permute(0, 1, 3, 2, 4)
+            if self.q8:  # [n, layers, 2, kv_heads, bytes] -> [layers, 2, kv_heads, n, bytes]
+                np.copyto(dst[:, :, :, b], src[j])
+            else:  # [n, layers, 2, bs, kv_heads, d] -> [layers, 2, kv_heads, n, bs, d]
+                np.copyto(dst[:, :, :, b], src[j].transpose(0, 1, 3, 2, 4))
 
     def build_metadata(self, layout: StepLayout) -> CpuMetadata | PagedMetadata:
         if self.compiled:
