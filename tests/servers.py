@@ -142,10 +142,11 @@ class RedisServer:
     compose.yaml configures it). stop() and start() again keep the port."""
 
     def __init__(self, maxmemory: str = "256mb", password: str | None = None,
-                 tls_dir: Path | None = None) -> None:
+                 tls_dir: Path | None = None, unix_socket: Path | None = None) -> None:
         """`password`: requirepass. `tls_dir`: serve TLS only, with a self-signed
         certificate for 127.0.0.1 made there (openssl); `self.url` is then rediss://,
-        trusting that certificate."""
+        trusting that certificate. `unix_socket`: serve on that socket file only (no TCP
+        port); `self.url` is then unix://."""
         import shutil
 
         exe = shutil.which("redis-server")
@@ -159,6 +160,9 @@ class RedisServer:
             self.cert = tls_dir / "redis.crt"
             self.url = (f"rediss://{auth}127.0.0.1:{self.port}/0"
                         f"?ssl_cert_reqs=required&ssl_ca_certs={self.cert}")
+        self.unix_socket = unix_socket
+        if unix_socket is not None:
+            self.url = f"unix://{auth}{unix_socket}?db=0"
         self.proc = None
 
     def _tls_args(self) -> list[str]:
@@ -181,6 +185,8 @@ class RedisServer:
         import redis
 
         ports = (self._tls_args() if self.tls_dir is not None else ["--port", str(self.port)])
+        if self.unix_socket is not None:
+            ports = ["--port", "0", "--unixsocket", str(self.unix_socket), "--unixsocketperm", "700"]
         auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(
             [self.exe, *ports, *auth, "--bind", "127.0.0.1", "--save", "",

@@ -340,6 +340,25 @@ def test_make_tier_kinds(redis_server) -> None:
         make_tier("disk")
 
 
+def test_redis_over_a_unix_socket(tmp_path) -> None:
+    """A redis-server on the replica's host, reached through its unix socket (no TCP
+    port): lookups, writes, GETEX pipelines read straight into buffers, all through a
+    unix:// URL."""
+    server = RedisServer(unix_socket=tmp_path / "redis.sock").start()
+    try:
+        assert server.url.startswith("unix://")
+        tier = RedisTier(server.url)
+        assert tier.put_many([("k1", value(1)), ("k2", value(2))]) == 2
+        assert tier.lookup(["k1", "k2", "k3"]) == 2
+        bufs = [memoryview(bytearray(len(value(1)))) for _ in range(3)]
+        assert tier.get_into(["k1", "k2", "k3"], bufs) == [len(value(1)), len(value(2)), None]
+        assert decode(bytes(bufs[0]), 1) == PAYLOAD and decode(bytes(bufs[1]), 2) == PAYLOAD
+        assert tier.stats.as_dict()["errors"] == 0
+        tier.close()
+    finally:
+        server.stop()
+
+
 def test_redis_with_a_password_over_tls(tmp_path) -> None:
     """A real redis-server that speaks only TLS and wants a password: the tier works
     through a rediss:// URL that carries the password and trusts the server's
