@@ -7,8 +7,10 @@
 #
 # Prints the directory holding bin/ on its last line; a second run only prints it. Takes
 # 7-30 minutes on 2 cores; needs cmake, ninja and g++ (installed from apt when missing).
-# Built for this CPU (GGML_NATIVE) but without AMX: ggml's AMX int8 kernels die with an
-# illegal instruction on some VMs that report AMX; its AVX-512, VNNI and BF16 paths stay.
+# Built for this CPU (GGML_NATIVE) but without AMX: built by GCC 12, ggml's AMX int8
+# kernels load a zeroed tile configuration and die with an illegal instruction on their
+# first tile (docs/cpu-engine.md, "Why ggml's AMX kernels die with SIGILL"); its AVX-512,
+# VNNI and BF16 paths stay.
 set -euo pipefail
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 dest=${1:-${TIDEWIRE_CACHE:-$HOME/.cache/tidewire}/llama.cpp}

@@ -50,6 +50,16 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg of the whole 64-byte configuration. Not _tile_loadconfig: GCC 12's (Debian
+// 12's compiler) is inline asm whose memory operand is 8 bytes (`*(const void **)cfg`),
+// so the compiler may treat every store to the configuration past its first 8 bytes as
+// dead and drop it. At -O3 -march=sapphirerapids it does, for a function that only fills
+// a local configuration and loads it: the tiles are loaded as 0 rows of 0 bytes, and the
+// first tile instruction faults with SIGILL. That is what kills ggml's AMX kernels built
+// with that compiler (its ggml_tile_config_init compiles to a zeroed configuration with
+// palette 1; docs/cpu-engine.md). Naming the whole struct as the operand keeps the stores.
+inline void load_tile_config(const TileConfig& c) { __asm__ volatile("ldtilecfg %0" ::"m"(c)); }
+
 // Every tile 16 rows of 64 bytes (16 fp32, or 32 bf16: 16 pairs), the shape the bf16
 // kernels use. The configuration is per thread: each thread sets it before its tiles.
 inline void amx_configure_full() {
@@ -58,7 +68,7 @@ inline void amx_configure_full() {
     c.colsb[t] = 64;
     c.rows[t] = 16;
   }
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // Whether tiles may be used now (allowed and granted).
