@@ -141,7 +141,7 @@ class RedisTier(KVTier):
         """One pipeline of GETEX whose replies are read off the socket straight into the
         buffers (`_read_bulk_replies`). redis-py with hiredis copies each reply three
         times (socket buffer, parser buffer, a new bytes object whose fresh pages fault
-        in): a 3,008-token prefix of 188 values of 368 KiB took 66 ms that way on the
+        in): a 3,008-token prefix of 188 values of 360 KiB took 66 ms that way on the
         2-core test machine, 15 ms read into the buffers. The connection (and so AUTH,
         TLS, the database, a unix socket) is redis-py's; any failure disconnects it, since
         its stream may stand mid-reply."""

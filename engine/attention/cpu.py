@@ -21,7 +21,10 @@ from kernels import reference as ref
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array of bytes (the last dimension in bytes):
-    numpy has no bfloat16."""
+    numpy has no bfloat16. (A view of `t` where its last dimension is contiguous, as the
+    caches and the tier's blocks are; else of a contiguous copy.)"""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
     return t.view(torch.uint8).numpy()
 
 
@@ -166,7 +169,8 @@ class CpuAttention(AttentionBackend):
         # and while a tier load streams in, Redis and the I/O thread hold the cores: a
         # 16-block chunk then waited for a descheduled pool thread, 13-30 ms instead of
         # ~1.5 (a 3,008-token Redis hit on the 2-core test machine).
-        assert data.dtype == kv.dtype, (data.dtype, kv.dtype)  # (bytes are copied as they are)
+        if data.dtype != kv.dtype:  # (bytes are copied as they are)
+            raise TypeError(f"blocks of {data.dtype} for a {kv.dtype} cache")
         dst, src = _bytes(kv), _bytes(data)
         for j, b in enumerate(block_ids.tolist()):
             if self.q8:  # [n, layers, 2, kv_heads, bytes] -> [layers, 2, kv_heads, n, bytes]
