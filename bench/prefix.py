@@ -8,7 +8,8 @@ hits (chat-64 prompts; tier none, memory and Redis in one process, in rotating o
 Once the device pool is full every allocation evicts cached blocks, which a tier then
 writes: `--overhead-kv-blocks` sets the pool small enough for that to start early.
 
-Redis: `--redis-url`, or a private redis-server started on a free port.
+Redis: `--redis-url`, or a private redis-server started on a free port (or, with
+`--redis-socket unix`, on a unix socket).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import random
 import shutil
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3,
                    help="TTFT measurements per case (the median is reported)")
     p.add_argument("--redis-url", default=None, help="default: start a private redis-server")
+    p.add_argument("--redis-socket", default="tcp", choices=["tcp", "unix"],
+                   help="the private redis-server's transport: TCP on 127.0.0.1, or a unix "
+                        "socket (Redis on the replica's own host)")
     p.add_argument("--overhead-requests", type=int, default=32,
                    help="chat-64 requests per round of the no-hit overhead run")
     p.add_argument("--overhead-rounds", type=int, default=3,
@@ -58,16 +63,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 class _PrivateRedis:
-    def __init__(self) -> None:
+    def __init__(self, unix: bool = False) -> None:
+        """`unix`: listen on a unix socket in a new temporary directory, no TCP port."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise FileNotFoundError("redis-server not found (make install puts it there)")
         import redis  # (here: the other benchmarks run where redis-py is absent)
 
-        port = free_port()
-        self.url = f"redis://127.0.0.1:{port}/0"
+        self.dir = tempfile.TemporaryDirectory(prefix="tw-redis-") if unix else None
+        if self.dir is not None:
+            sock = Path(self.dir.name) / "redis.sock"
+            self.url = f"unix://{sock}?db=0"
+            listen = ["--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700"]
+        else:
+            port = free_port()
+            self.url = f"redis://127.0.0.1:{port}/0"
+            listen = ["--port", str(port), "--bind", "127.0.0.1"]
         self.proc = subprocess.Popen(
-            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [exe, *listen, "--save", "", "--appendonly", "no",
              "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url)
@@ -82,6 +95,8 @@ class _PrivateRedis:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
+        if self.dir is not None:
+            self.dir.cleanup()
 
 
 def _llm(a: argparse.Namespace, **kw: Any) -> Any:
@@ -197,7 +212,8 @@ def main(a: argparse.Namespace) -> int:
     a.attention_backend = a.attention_backend or ("cuda" if torch.cuda.is_available() else "cpu")
     parts = a.parts.split(",")
     needs_redis = "ttft" in parts or ("overhead" in parts and "redis" in a.overhead_kinds)
-    server = _PrivateRedis() if needs_redis and not a.redis_url else None
+    server = _PrivateRedis(unix=a.redis_socket == "unix") if needs_redis and not a.redis_url \
+        else None
     url = a.redis_url or (server.url if server is not None else "")
     try:
         result: dict[str, Any] = {"model": a.model, "dtype": a.dtype,

@@ -87,6 +87,27 @@ def test_bench_offline_samples_both_systems_when_asked(tiny_models, tmp_path) ->
     assert res["throughput_ratio"] > 0
 
 
+@pytest.mark.parametrize("socket", ["tcp", "unix"])
+def test_bench_prefix_hits_each_tier_over_tcp_or_a_unix_socket(tiny_models, tmp_path,
+                                                                 socket: str) -> None:
+    """`bench prefix --parts ttft` on a tiny model, with its private redis-server on TCP
+    or on a unix socket: the device hit, the Redis hit after a restart and the
+    memory-tier hit each serve the whole prefix from where they say (the memory case's
+    pool holds one 256-token prompt: the second evicts the first's blocks to the tier)."""
+    model = tiny_models("llama", seed=3)
+    out = tmp_path / "prefix.json"
+    rc = main(["bench", "prefix", "--model", str(model), "--dtype", "float32", "--parts", "ttft",
+               "--repeats", "1", "--prefix-tokens", "256", "--redis-socket", socket,
+               "--json", str(out)])
+    assert rc == 0
+    t = json.loads(out.read_text())["ttft"]
+    where = t["cached_tokens"]
+    assert where["cold"] == {"device": 0, "host": 0}
+    assert where["device"] == {"device": 256, "host": 0} and where["redis"] == {"device": 0, "host": 256}
+    assert sum(where["memory"].values()) == 256 and where["memory"]["host"] > 0
+    assert t["redis_load_bytes_per_s"] > 0
+
+
 def test_bench_offline_profiles_steps_and_plots_batch_sizes(tiny_models, tmp_path) -> None:
     # head_dim 32: the compiled ops and the compiled decode step run where a compiler is
     model = tiny_models("llama", 2, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
