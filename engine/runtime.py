@@ -26,19 +26,9 @@ SWITCH_INTERVAL = 0.0005
 
 
 def tune_openmp() -> None:
-    """Read by GNU OpenMP when torch loads it, and by torch's CPU allocator at its first
-    allocation: call before the first torch import. A value the user set is kept.
-
-    THP_MEM_ALLOC_ENABLE=1: torch asks for transparent huge pages for its CPU allocations
-    of 2 MB or more (madvise; the kernel's THP setting must allow `madvise`). A page fault
-    under a hypervisor costs ~4 us a 4 KiB page here, and the host tier's block copies
-    are fresh tens of MB each time (past glibc's 32 MB mmap threshold, tune_malloc): a
-    188-block snapshot of evicted blocks (69 MB) took 44-62 ms, 23-28 ms with huge pages
-    (17-18 with the one-copy CpuAttention.gather_blocks).
-    chat-64 and a 2,000-token prefill measured the same within noise either way
-    (docs/performance.md)."""
+    """Read by GNU OpenMP when torch loads it: call before the first torch import. A
+    value the user set is kept."""
     os.environ.setdefault("GOMP_SPINCOUNT", GOMP_SPINCOUNT)
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def tune_gil(interval: float = SWITCH_INTERVAL) -> None:

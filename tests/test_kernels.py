@@ -593,3 +593,49 @@ def test_block_copies_round_trip_in_the_canonical_layout(tiny_models, backend: s
     runner.write_blocks(ids, torch.zeros_like(data))
     assert torch.equal(runner.to_host(snap).wait(), data.flip(0))
     assert int(torch.count_nonzero(runner.kv)) == 0
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_cpu_block_copies_of_many_blocks_round_trip_through_their_own_mapping(
+        kv_cache_dtype: str) -> None:
+    """A gather past HUGE_MIN_BYTES (a tier snapshot of many blocks) comes back in a
+    mapping of its own, asked for transparent huge pages: the same blocks as a gather by
+    index, scattered back bit for bit. Where the kernel gives huge pages only to memory
+    that asks (THP `madvise`), touching it adds huge pages to the process."""
+    from pathlib import Path
+
+    from engine.attention.cpu import HUGE_MIN_BYTES, CpuAttention
+    from kernels import cpu_ops
+
+    q8 = kv_cache_dtype == "int8"
+    if q8 and not cpu_ops.available():
+        pytest.skip("the int8 cache needs the compiled CPU kernels")
+    attn = CpuAttention(9, 3, 64, 16, torch.bfloat16, kv_cache_dtype, compiled=q8)
+    layers, blocks = 6, 400
+    kv = torch.empty((layers, 2, *attn.cache_shape(blocks)), dtype=attn.cache_dtype)
+    kv.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(0))
+    ids = torch.arange(10, 10 + 300)
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    rollup = Path("/proc/self/smaps_rollup")
+    asks = thp.exists() and "[madvise]" in thp.read_text() and rollup.exists()
+
+    def huge_kb() -> int:
+        return sum(int(x.split()[1]) for x in rollup.read_text().splitlines()
+                   if x.startswith("AnonHugePages")) if rollup.exists() else 0
+
+    before = huge_kb()
+    got = attn.gather_blocks(kv, ids)
+    assert got.numel() * got.element_size() >= HUGE_MIN_BYTES
+    assert tuple(got.shape) == (len(ids), *attn.block_shape(layers))
+    if asks:
+        assert huge_kb() > before
+    by_index = kv.index_select(3, ids)  # [layers, 2, kv_heads, n, ...]
+    want = by_index.permute(3, 0, 1, 2, 4) if attn.q8 else by_index.permute(3, 0, 1, 4, 2, 5)
+    def raw(t: torch.Tensor) -> torch.Tensor:  # (random bytes: bf16 NaNs compare unequal)
+        return t.contiguous().view(torch.uint8)
+
+    assert torch.equal(raw(got), raw(want))
+    dst = torch.zeros_like(kv)
+    attn.scatter_blocks(dst, ids, got)
+    assert torch.equal(raw(dst.index_select(3, ids)), raw(by_index))
+    assert int(torch.count_nonzero(raw(dst))) == int(torch.count_nonzero(raw(by_index)))
