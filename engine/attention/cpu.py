@@ -24,10 +24,8 @@ from kernels import reference as ref
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """A CPU tensor's memory as a numpy array of bytes (the last dimension in bytes):
-    numpy has no bfloat16. (A view of `t` where its last dimension is contiguous, as the
-    caches and the tier's blocks are; else of a contiguous copy.)"""
-    if t.stride(-1) != 1:
-        t = t.contiguous()
+    numpy has no bfloat16. Always a view (writes through it land in `t`): `t`'s last
+    dimension must be contiguous, as the caches' and the tier blocks' are."""
     return t.view(torch.uint8).numpy()
 
 
@@ -198,6 +196,8 @@ class CpuAttention(AttentionBackend):
         # ~1.5 (a 3,008-token Redis hit on the 2-core test machine).
         if data.dtype != kv.dtype:  # (bytes are copied as they are)
             raise TypeError(f"blocks of {data.dtype} for a {kv.dtype} cache")
+        if data.stride(-1) != 1:  # (a source only: a copy of it is as good)
+            data = data.contiguous()
         dst, src = _bytes(kv), _bytes(data)
         for j, b in enumerate(block_ids.tolist()):
             if self.q8:  # [n, layers, 2, kv_heads, bytes] -> [layers, 2, kv_heads, n, bytes]
